@@ -1,0 +1,171 @@
+"""Assets ``raw_prompts`` and ``tokenized_prompts``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle_assets.assets.resources import PipelineSettings, TargetModel
+from eagle_assets.formats import Rejected, build_prompt, load_records, sample_id
+from eagle_assets.storage import write_parquet_atomic
+
+RAW_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("messages", pa.string()),
+        ("tools", pa.string()),
+        ("reference_reply", pa.string()),
+        ("source_file", pa.string()),
+        ("source_row", pa.int64()),
+    ]
+)
+REJECT_SCHEMA = pa.schema(
+    [("source_file", pa.string()), ("source_row", pa.int64()), ("sample_id", pa.string()),
+     ("reason", pa.string()), ("detail", pa.string())]
+)
+TOKENIZED_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("n_prompt_tokens", pa.int32()),
+        ("template_hash", pa.string()),
+        ("prompt_opens_think", pa.bool_()),
+        ("render_flags", pa.string()),
+    ]
+)
+
+
+def _sample_order(seed: int, sid: str) -> str:
+    # A keyed hash gives a deterministic, seed-dependent sample that is stable when records are added.
+    return hashlib.sha256(f"{seed}:{sid}".encode()).hexdigest()
+
+
+def _reason_table(counts: Counter) -> dg.MetadataValue:
+    rows = "\n".join(f"| {k} | {v} |" for k, v in counts.most_common())
+    return dg.MetadataValue.md("| reason | rows |\n|---|---|\n" + (rows or "| (none) | 0 |"))
+
+
+def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDefinition]:
+    """``raw_prompts`` and ``tokenized_prompts`` over ``partitions_def`` (one partition per catalog dataset)."""
+
+    @dg.asset(partitions_def=partitions_def, group_name="prompts", kinds={"parquet"})
+    def raw_prompts(context: dg.AssetExecutionContext, settings: PipelineSettings) -> dg.MaterializeResult:
+        """Normalized conversations of one dataset partition; malformed records go to rejects.parquet with a reason."""
+        key = context.partition_key
+        spec = settings.catalog().partitions[key]
+        out = settings.layout().stage_dir("raw_prompts", key)
+        kept: dict[str, dict] = {}
+        rejects: list[dict] = []
+        sources = []
+        for path, fmt in spec.resolved_sources():
+            sources.append(str(path))
+            context.log.info(f"reading {path} as {fmt}")
+            for rec in load_records(path, fmt):
+                if isinstance(rec, Rejected):
+                    rejects.append({"source_file": str(path), "source_row": rec.source_row, "sample_id": None,
+                                    "reason": rec.reason, "detail": rec.detail[:1000]})
+                    continue
+                sid = sample_id(key, rec.source_record)
+                try:
+                    prompt_messages, reference = build_prompt(rec, spec.prompt_policy)
+                except Exception as exc:  # noqa: BLE001 - a bad record must not stop the partition
+                    reason = getattr(exc, "reason", "bad_conversation")
+                    rejects.append({"source_file": str(path), "source_row": rec.source_row, "sample_id": sid,
+                                    "reason": reason, "detail": str(exc)[:1000]})
+                    continue
+                if isinstance(prompt_messages, Rejected):
+                    rejects.append({"source_file": str(path), "source_row": rec.source_row, "sample_id": sid,
+                                    "reason": prompt_messages.reason, "detail": prompt_messages.detail[:1000]})
+                    continue
+                if sid in kept:
+                    rejects.append({"source_file": str(path), "source_row": rec.source_row, "sample_id": sid,
+                                    "reason": "duplicate", "detail": f"same record as row {kept[sid]['source_row']}"})
+                    continue
+                kept[sid] = {
+                    "sample_id": sid,
+                    "messages": json.dumps(prompt_messages, ensure_ascii=False),
+                    "tools": json.dumps(rec.tools, ensure_ascii=False) if rec.tools else None,
+                    "reference_reply": json.dumps(reference, ensure_ascii=False) if reference else None,
+                    "source_file": str(path),
+                    "source_row": rec.source_row,
+                }
+        rows = sorted(kept.values(), key=lambda r: _sample_order(spec.seed, r["sample_id"]))
+        if spec.limit is not None:
+            rows = rows[: spec.limit]
+        rows.sort(key=lambda r: (r["source_file"], r["source_row"]))
+        write_parquet_atomic(pa.Table.from_pylist(rows, schema=RAW_SCHEMA), out / "prompts.parquet")
+        write_parquet_atomic(pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA), out / "rejects.parquet")
+        if rejects:
+            context.log.warning(f"{len(rejects)} records rejected; see {out / 'rejects.parquet'}")
+        return dg.MaterializeResult(
+            metadata={
+                "dagster/row_count": len(rows),
+                "available_records": len(kept),
+                "rejected": len(rejects),
+                "reject_reasons": _reason_table(Counter(r["reason"] for r in rejects)),
+                "sources": dg.MetadataValue.json(sources),
+                "path": dg.MetadataValue.path(str(out)),
+            }
+        )
+
+
+    @dg.asset(partitions_def=partitions_def, group_name="prompts", deps=[raw_prompts], kinds={"parquet"})
+    def tokenized_prompts(
+        context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel
+    ) -> dg.MaterializeResult:
+        """Prompt token ids from the target's chat template (add_generation_prompt=True), rendered once, never re-tokenized."""
+        from eagle_assets.target.profile import detect_profile
+        from eagle_assets.target.render import RenderError, render_prompt
+        from eagle_assets.target.tokenizer import load_tokenizer
+
+        key = context.partition_key
+        catalog = settings.catalog()
+        spec = catalog.partitions[key]
+        layout = settings.layout()
+        raw = pq.read_table(layout.stage_dir("raw_prompts", key) / "prompts.parquet").to_pylist()
+        tokenizer = load_tokenizer(target.resolve())
+        profile = detect_profile(tokenizer, catalog.target.profile or None)
+        rows, rejects = [], []
+        for r in raw:
+            messages = json.loads(r["messages"])
+            tools = json.loads(r["tools"]) if r["tools"] else None
+            try:
+                rendered = render_prompt(tokenizer, messages, tools, enable_thinking=spec.enable_thinking,
+                                         max_prompt_tokens=spec.max_prompt_tokens, profile=profile)
+            except RenderError as exc:
+                rejects.append({"source_file": r["source_file"], "source_row": r["source_row"],
+                                "sample_id": r["sample_id"], "reason": exc.reason, "detail": str(exc)[:1000]})
+                continue
+            ids = list(rendered.prompt_ids)
+            rows.append({
+                "sample_id": r["sample_id"],
+                "prompt_ids": ids,
+                "n_prompt_tokens": len(ids),
+                "template_hash": rendered.template_hash,
+                "prompt_opens_think": bool(profile.think_start_id is not None and ids and ids[-1] == profile.think_start_id),
+                "render_flags": json.dumps(rendered.flags, sort_keys=True, default=str),
+            })
+        out = layout.stage_dir("tokenized_prompts", key)
+        write_parquet_atomic(pa.Table.from_pylist(rows, schema=TOKENIZED_SCHEMA), out / "prompts.parquet")
+        write_parquet_atomic(pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA), out / "rejects.parquet")
+        lengths = sorted(r["n_prompt_tokens"] for r in rows)
+        return dg.MaterializeResult(
+            metadata={
+                "dagster/row_count": len(rows),
+                "rejected": len(rejects),
+                "reject_reasons": _reason_table(Counter(r["reason"] for r in rejects)),
+                "prompt_tokens_median": lengths[len(lengths) // 2] if lengths else 0,
+                "prompt_tokens_max": lengths[-1] if lengths else 0,
+                "share_opens_think": (sum(r["prompt_opens_think"] for r in rows) / len(rows)) if rows else 0.0,
+                "template_hash": rows[0]["template_hash"] if rows else "",
+                "family_profile": profile.name,
+                "path": dg.MetadataValue.path(str(out)),
+            }
+        )
+
+    return [raw_prompts, tokenized_prompts]

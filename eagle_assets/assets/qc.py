@@ -1,0 +1,252 @@
+"""Asset ``qc_shards`` with its blocking checks ``token_structure`` and ``response_length``; asset ``length_report``."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle_assets.assets.resources import PipelineSettings, TargetModel
+from eagle_assets.quality.lengths import format_table, length_report as compute_length_report
+from eagle_assets.quality.plots import length_histogram_png, png_markdown
+from eagle_assets.quality.segment import DROP_REASONS, segment_output
+from eagle_assets.quality.thresholds import Outcome, evaluate_response_length, evaluate_token_structure
+from eagle_assets.storage import read_shards, write_json_atomic, write_parquet_atomic
+
+QC_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("n_prompt_tokens", pa.int32()),
+        ("reasoning_tokens", pa.int32()),
+        ("answer_tokens", pa.int32()),
+        ("tool_call_tokens", pa.int32()),
+        ("flags", pa.list_(pa.string())),
+    ]
+)
+ROWS_SCHEMA = pa.schema(
+    [
+        ("partition", pa.string()),
+        ("sample_id", pa.string()),
+        ("completion_tokens", pa.int32()),
+        ("reasoning_tokens", pa.int32()),
+        ("answer_tokens", pa.int32()),
+        ("tool_call_tokens", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("max_new_tokens", pa.int32()),
+        ("kept", pa.bool_()),
+        ("short", pa.bool_()),
+        ("drop_reason", pa.string()),
+    ]
+)
+QC_STATUS_FILE = "qc_status.json"
+
+
+def blank_token_ids(tokenizer) -> frozenset[int]:
+    """Ids whose decoded text is only whitespace (an answer made of them is empty)."""
+    blank = set()
+    for tok, idx in tokenizer.get_vocab().items():
+        text = tokenizer.convert_tokens_to_string([tok])
+        if text.strip() == "" and idx not in tokenizer.all_special_ids:
+            blank.add(idx)
+    return frozenset(blank)
+
+
+def _severity(outcome: Outcome) -> dg.AssetCheckSeverity:
+    return dg.AssetCheckSeverity.ERROR if outcome.level == "ERROR" else dg.AssetCheckSeverity.WARN
+
+
+def _check_metadata(outcome: Outcome, thresholds: dict, extra: dict | None = None) -> dict:
+    lines = ["| figure | value | threshold (warn / error) |", "|---|---|---|"]
+    for name, value in outcome.figures.items():
+        stem = name.replace("share_", "")
+        warn = thresholds.get(f"max_share_{stem}_warn")
+        err = thresholds.get(f"max_share_{stem}_error")
+        if name == "median_tokens":
+            warn, err = thresholds.get("min_median_tokens"), None
+        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        lines.append(f"| {name} | {shown} | {warn if warn is not None else '-'} / {err if err is not None else '-'} |")
+    meta = {k: float(v) for k, v in outcome.figures.items()}
+    meta["figures"] = dg.MetadataValue.md("\n".join(lines))
+    meta["level"] = outcome.level
+    if extra:
+        meta.update(extra)
+    return meta
+
+
+def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDefinition]:
+    """``qc_shards`` (partitioned, with blocking checks) and ``length_report`` (all partitions)."""
+
+    @dg.asset(
+        partitions_def=partitions_def,
+        group_name="quality",
+        deps=["generations", "tokenized_prompts"],
+        kinds={"parquet"},
+        check_specs=[
+            dg.AssetCheckSpec("token_structure", asset="qc_shards", blocking=True,
+                              description="share of generated rows dropped for broken structure, per reason"),
+            dg.AssetCheckSpec("response_length", asset="qc_shards", blocking=True,
+                              description="median, p10, share short and share truncated vs catalog thresholds"),
+        ],
+    )
+    def qc_shards(context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel):
+        """Training rows input_ids = prompt_ids + output_ids with loss_mask; broken rows dropped with a named reason."""
+        from eagle_assets.target.profile import detect_profile
+        from eagle_assets.target.tokenizer import load_tokenizer
+
+        key = context.partition_key
+        catalog = settings.catalog()
+        spec = catalog.partitions[key]
+        layout = settings.layout()
+        thresholds = spec.thresholds.model_dump() if hasattr(spec.thresholds, "model_dump") else dict(spec.thresholds)
+        tokenizer = load_tokenizer(target.resolve())
+        profile = detect_profile(tokenizer, catalog.target.profile or None)
+        blank = blank_token_ids(tokenizer)
+        prompts = {
+            r["sample_id"]: r
+            for r in pq.read_table(layout.stage_dir("tokenized_prompts", key) / "prompts.parquet").to_pylist()
+        }
+        gens = read_shards(layout.stage_dir("generations", key))
+        gen_rows = gens.to_pylist() if gens is not None else []
+        max_new = spec.sampling.max_new_tokens
+        kept_rows, all_rows = [], []
+        reasons: Counter = Counter()
+        flags_count: Counter = Counter()
+        for g in gen_rows:
+            prompt = prompts.get(g["sample_id"])
+            if prompt is None:  # generated from an older prompt set; not part of this partition any more
+                reasons["stale_prompt"] += 1
+                continue
+            seg = segment_output(
+                g["output_ids"], g["finish_reason"], profile,
+                matched_stop=g["matched_stop"], completion_tokens=g["completion_tokens"],
+                prompt_opens_think=prompt["prompt_opens_think"],
+                tool_call_in_reasoning=spec.tool_call_in_reasoning, blank_ids=blank,
+            )
+            n_out = len(g["output_ids"])
+            short = seg.kept and n_out < thresholds.get("short_tokens", 300)
+            all_rows.append({
+                "partition": key, "sample_id": g["sample_id"], "completion_tokens": n_out,
+                "reasoning_tokens": seg.reasoning_tokens, "answer_tokens": seg.answer_tokens,
+                "tool_call_tokens": seg.tool_call_tokens, "finish_reason": g["finish_reason"],
+                "max_new_tokens": max_new, "kept": seg.kept, "short": short, "drop_reason": seg.drop_reason,
+            })
+            flags_count.update(seg.flags)
+            if not seg.kept:
+                reasons[seg.drop_reason] += 1
+                continue
+            ids = list(prompt["prompt_ids"]) + list(g["output_ids"])
+            kept_rows.append({
+                "sample_id": g["sample_id"], "input_ids": ids,
+                "loss_mask": [0] * len(prompt["prompt_ids"]) + [1] * n_out,
+                "n_prompt_tokens": len(prompt["prompt_ids"]), "reasoning_tokens": seg.reasoning_tokens,
+                "answer_tokens": seg.answer_tokens, "tool_call_tokens": seg.tool_call_tokens,
+                "flags": list(seg.flags),
+            })
+        out = layout.stage_dir("qc_shards", key)
+        write_parquet_atomic(pa.Table.from_pylist(kept_rows, schema=QC_SCHEMA), out / "shard-00000.parquet")
+        write_parquet_atomic(pa.Table.from_pylist(all_rows, schema=ROWS_SCHEMA), out / "rows.parquet")
+
+        lengths = [r["completion_tokens"] for r in all_rows]
+        structure = evaluate_token_structure([r["drop_reason"] for r in all_rows], thresholds)
+        length = evaluate_response_length(lengths, [r["finish_reason"] for r in all_rows], thresholds)
+        write_json_atomic(
+            {"partition": key, "token_structure": structure.level, "response_length": length.level,
+             "passed": structure.passed and length.passed, "kept": len(kept_rows), "rows": len(all_rows)},
+            out / QC_STATUS_FILE,
+        )
+        png = length_histogram_png(
+            {"reasoning": [r["reasoning_tokens"] for r in all_rows], "answer": [r["answer_tokens"] for r in all_rows],
+             "total": lengths},
+            f"{key}: response lengths", short_tokens=thresholds.get("short_tokens"), cap=max_new,
+        )
+        (out / "lengths.png").write_bytes(png)
+        drop_md = "| reason | rows |\n|---|---|\n" + "\n".join(
+            f"| {r} | {reasons.get(r, 0)} |" for r in (*DROP_REASONS, "stale_prompt") if reasons.get(r, 0)
+        )
+        yield dg.MaterializeResult(
+            metadata={
+                "dagster/row_count": len(kept_rows),
+                "generated": len(all_rows),
+                "kept": len(kept_rows),
+                "dropped": sum(reasons.values()),
+                "short_but_well_formed": sum(1 for r in all_rows if r["short"]),
+                "drop_reasons": dg.MetadataValue.md(drop_md if reasons else "no rows dropped"),
+                "flags": dg.MetadataValue.json(dict(flags_count)),
+                "median_completion_tokens": length.figures.get("median_tokens", 0.0),
+                "share_truncated": length.figures.get("share_truncated", 0.0),
+                "length_histogram": dg.MetadataValue.md(png_markdown(png, f"{key} lengths")),
+                "path": dg.MetadataValue.path(str(out)),
+            }
+        )
+        yield dg.AssetCheckResult(
+            check_name="token_structure", passed=structure.passed, severity=_severity(structure),
+            description=structure.description(),
+            metadata=_check_metadata(structure, thresholds, {
+                "drop_reasons": dg.MetadataValue.json(dict(reasons))}),
+        )
+        yield dg.AssetCheckResult(
+            check_name="response_length", passed=length.passed, severity=_severity(length),
+            description=length.description(),
+            metadata=_check_metadata(length, thresholds, {
+                "histogram": dg.MetadataValue.md(png_markdown(png, f"{key} lengths"))}),
+        )
+
+    @dg.asset(group_name="quality", deps=[qc_shards], kinds={"duckdb"})
+    def length_report(context: dg.AssetExecutionContext, settings: PipelineSettings) -> dg.MaterializeResult:
+        """DuckDB length table of every partition (total, reasoning, answer tokens) with PNG histograms."""
+        catalog = settings.catalog()
+        layout = settings.layout()
+        files = [layout.stage_dir("qc_shards", k) / "rows.parquet" for k in catalog.partition_keys]
+        present = [f for f in files if f.exists()]
+        short = min((p.thresholds.short_tokens for p in catalog.partitions.values()), default=300)
+        rows = compute_length_report(present, short_tokens=short)
+        out = layout.stage_dir("length_report")
+        table_md = format_table(rows)
+        (out / "report.md").write_text(table_md + "\n")
+        write_parquet_atomic(pa.Table.from_pylist([r.__dict__ for r in rows]), out / "report.parquet")
+        series = {}
+        for f in present:
+            t = pq.read_table(f, columns=["partition", "completion_tokens"])
+            if t.num_rows:
+                series[t.column("partition")[0].as_py()] = t.column("completion_tokens").to_pylist()
+        png = length_histogram_png(series, "completion tokens by partition", short_tokens=short)
+        (out / "lengths.png").write_bytes(png)
+        missing = [k for k, f in zip(catalog.partition_keys, files) if not f.exists()]
+        if missing:
+            context.log.info(f"partitions without QC rows yet: {missing}")
+        return dg.MaterializeResult(
+            metadata={
+                "partitions": len(series),
+                "missing_partitions": dg.MetadataValue.json(missing),
+                "report": dg.MetadataValue.md(table_md),
+                "histogram": dg.MetadataValue.md(png_markdown(png, "lengths by partition")),
+                "path": dg.MetadataValue.path(str(out / "report.md")),
+            }
+        )
+
+    return [qc_shards, length_report]
+
+
+def passing_partitions(settings: PipelineSettings) -> tuple[list[str], dict[str, str]]:
+    """Partitions whose latest QC passed both blocking checks, and why each other partition is excluded."""
+    import json
+
+    layout = settings.layout()
+    ok, excluded = [], {}
+    for key in settings.catalog().partition_keys:
+        status_file = Path(layout.base) / "qc_shards" / key / QC_STATUS_FILE
+        if not status_file.exists():
+            excluded[key] = "no QC shards yet: materialize the partition first"
+            continue
+        status = json.loads(status_file.read_text())
+        if status.get("passed") and status.get("kept", 0) > 0:
+            ok.append(key)
+        else:
+            excluded[key] = (f"QC failed (token_structure {status.get('token_structure')}, "
+                             f"response_length {status.get('response_length')}); see the check results")
+    return ok, excluded

@@ -1,0 +1,138 @@
+"""``eagle-assets`` command line: build the embedded target, run the whole pipeline, print the length report.
+
+    eagle-assets run [--catalog PATH] [--partitions A,B] [--skip-training]
+    eagle-assets build-target [--force]
+    eagle-assets report [--catalog PATH]
+
+``run`` executes the Dagster jobs in-process against the persistent instance in ``$DAGSTER_HOME`` (set to the repo
+root, where ``dagster.yaml`` lives, when unset), so every run shows in ``dagster dev`` afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ensure_dagster_home() -> Path:
+    if not os.environ.get("DAGSTER_HOME"):
+        home = REPO_ROOT if (REPO_ROOT / "dagster.yaml").exists() else Path.cwd()
+        os.environ["DAGSTER_HOME"] = str(home)
+    home = Path(os.environ["DAGSTER_HOME"])
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+def _cmd_build_target(args: argparse.Namespace) -> int:
+    from eagle_assets.demo.build import build_demo_target
+
+    t0 = time.monotonic()
+    path = build_demo_target(force=args.force)
+    print(f"embedded target model: {path} ({time.monotonic() - t0:.1f} s)")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from eagle_assets.catalog import default_catalog_path, load_catalog
+    from eagle_assets.quality.lengths import format_table, length_report
+    from eagle_assets.storage import Layout, default_storage_root
+
+    catalog_path = Path(args.catalog or default_catalog_path()).resolve()
+    catalog = load_catalog(catalog_path)
+    layout = Layout(default_storage_root(), catalog_path.stem)
+    files = [layout.base / "qc_shards" / k / "rows.parquet" for k in catalog.partition_keys]
+    short = min((p.thresholds.short_tokens for p in catalog.partitions.values()), default=300)
+    rows = length_report([f for f in files if f.exists()], short_tokens=short)
+    if not rows:
+        print(f"no QC rows under {layout.base}: run `eagle-assets run --catalog {catalog_path}` first")
+        return 1
+    print(format_table(rows, spans=args.spans.split(",")))
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    home = _ensure_dagster_home()
+    if args.catalog:
+        os.environ["EAGLE_ASSETS_CATALOG"] = str(Path(args.catalog).resolve())
+    import dagster as dg
+
+    from eagle_assets.definitions import PARTITION_JOB, TRAINING_JOB, build_definitions
+    from eagle_assets.storage import Layout, default_storage_root
+    from eagle_assets.catalog import default_catalog_path
+
+    catalog_path = Path(args.catalog or default_catalog_path()).resolve()
+    defs = build_definitions(catalog_path)
+    settings = defs.resources["settings"]
+    catalog = settings.catalog()
+    keys = args.partitions.split(",") if args.partitions else list(catalog.partition_keys)
+    unknown = [k for k in keys if k not in catalog.partitions]
+    if unknown:
+        print(f"unknown partitions {unknown}; the catalog {catalog_path} has {list(catalog.partition_keys)}")
+        return 2
+    if catalog.target.model == "demo":
+        from eagle_assets.demo.build import build_demo_target
+
+        t0 = time.monotonic()
+        print(f"embedded target model: {build_demo_target()} ({time.monotonic() - t0:.1f} s)", flush=True)
+    instance = dg.DagsterInstance.get()
+    print(f"DAGSTER_HOME={home}; catalog {catalog_path}; storage {settings.storage_root}", flush=True)
+    failed = []
+    t_all = time.monotonic()
+    for key in keys:
+        t0 = time.monotonic()
+        result = defs.get_job_def(PARTITION_JOB).execute_in_process(
+            partition_key=key, instance=instance, raise_on_error=False
+        )
+        status = "ok" if result.success else "FAILED (see the check results / run logs)"
+        print(f"partition {key}: {status} in {time.monotonic() - t0:.1f} s (run {result.run_id})", flush=True)
+        if not result.success:
+            failed.append(key)
+    layout = Layout(Path(settings.storage_root), catalog_path.stem)
+    report = layout.base / "length_report" / "report.md"
+    if report.exists():
+        print(f"\nlength report: {report}\n{report.read_text()}")
+    if not args.skip_training:
+        t0 = time.monotonic()
+        result = defs.get_job_def(TRAINING_JOB).execute_in_process(instance=instance, raise_on_error=False)
+        print(f"training: {'ok' if result.success else 'FAILED'} in {time.monotonic() - t0:.1f} s "
+              f"(run {result.run_id})", flush=True)
+        ckpt = layout.base / "drafter_checkpoint" / "checkpoint"
+        if result.success:
+            print(f"drafter checkpoint: {ckpt}\n  serve with: python -m sglang.launch_server --model-path <target> "
+                  f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {ckpt}")
+        else:
+            failed.append("training")
+    print(f"total {time.monotonic() - t_all:.1f} s")
+    if failed:
+        print(f"failed: {failed}")
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``eagle-assets`` command; returns the process exit code."""
+    parser = argparse.ArgumentParser(prog="eagle-assets", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_run = sub.add_parser("run", help="every partition to QC shards, then the draft vocab and the drafter")
+    p_run.add_argument("--catalog", help="catalog YAML (default $EAGLE_ASSETS_CATALOG or catalogs/default.yaml)")
+    p_run.add_argument("--partitions", help="comma-separated partition keys (default: all)")
+    p_run.add_argument("--skip-training", action="store_true")
+    p_run.set_defaults(fn=_cmd_run)
+    p_build = sub.add_parser("build-target", help="build (or reuse) the embedded default target model")
+    p_build.add_argument("--force", action="store_true")
+    p_build.set_defaults(fn=_cmd_build_target)
+    p_rep = sub.add_parser("report", help="print the length report of a catalog's QC shards")
+    p_rep.add_argument("--catalog")
+    p_rep.add_argument("--spans", default="total,reasoning,answer")
+    p_rep.set_defaults(fn=_cmd_report)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Output segmentation with named drop reasons, length statistics (DuckDB), thresholds and plots."""

@@ -1,0 +1,112 @@
+"""Compare a partition's figures with its catalog thresholds: the logic behind the blocking asset checks.
+
+Each rule yields a ``Finding`` (figure, value, threshold, level). The check fails with ERROR when any ERROR rule is
+broken, passes with a WARN finding when only WARN rules are, and passes cleanly otherwise.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from statistics import median
+from typing import Any, Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One broken threshold: ``figure`` is ``value`` against ``threshold`` at ``level`` ("WARN" or "ERROR")."""
+
+    figure: str
+    value: float
+    threshold: float
+    level: str
+    comparison: str  # "<" or ">": the direction that breaks the rule
+
+    def message(self) -> str:
+        return f"{self.level}: {self.figure} = {self.value:.4g} {self.comparison} threshold {self.threshold:.4g}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Result of one check: ``passed`` is False only for ERROR findings; ``figures`` are the measured values."""
+
+    passed: bool
+    level: str  # "OK", "WARN" or "ERROR"
+    findings: tuple[Finding, ...]
+    figures: dict[str, float]
+
+    def description(self) -> str:
+        if not self.findings:
+            return "all figures within thresholds"
+        return "; ".join(f.message() for f in self.findings)
+
+
+def _get(thresholds: Any, name: str, default: float | None) -> float | None:
+    if isinstance(thresholds, Mapping):
+        return thresholds.get(name, default)
+    return getattr(thresholds, name, default)
+
+
+def _outcome(figures: dict[str, float], findings: list[Finding]) -> Outcome:
+    errors = any(f.level == "ERROR" for f in findings)
+    level = "ERROR" if errors else ("WARN" if findings else "OK")
+    return Outcome(passed=not errors, level=level, findings=tuple(findings), figures=figures)
+
+
+def _above(findings: list[Finding], figure: str, value: float, warn: float | None, error: float | None) -> None:
+    if error is not None and value > error:
+        findings.append(Finding(figure, value, error, "ERROR", ">"))
+    elif warn is not None and value > warn:
+        findings.append(Finding(figure, value, warn, "WARN", ">"))
+
+
+def evaluate_response_length(
+    completion_tokens: Sequence[int], finish_reasons: Sequence[str], thresholds: Any
+) -> Outcome:
+    """``response_length``: median, p10, share under ``short_tokens``, share truncated (finish_reason length).
+
+    Args: per-row completion lengths (tokens) and finish reasons of every generated row of the partition;
+    ``thresholds`` a mapping or object with ``short_tokens``, ``min_median_tokens``, ``max_share_short_warn``,
+    ``max_share_short_error``, ``max_share_truncated_warn``, ``max_share_truncated_error`` (None = unchecked).
+    An empty partition is an ERROR (nothing to train on).
+    """
+    n = len(completion_tokens)
+    short = int(_get(thresholds, "short_tokens", 300) or 300)
+    if n == 0:
+        return _outcome({"count": 0}, [Finding("count", 0, 1, "ERROR", "<")])
+    ordered = sorted(completion_tokens)
+    figures = {
+        "count": float(n),
+        "median_tokens": float(median(ordered)),
+        "p10_tokens": float(ordered[int(0.1 * (n - 1))]),
+        "share_under_short": sum(1 for t in ordered if t < short) / n,
+        "share_truncated": sum(1 for r in finish_reasons if r == "length") / n,
+        "short_tokens": float(short),
+    }
+    findings: list[Finding] = []
+    min_median = _get(thresholds, "min_median_tokens", None)
+    if min_median is not None and figures["median_tokens"] < min_median:
+        findings.append(Finding("median_tokens", figures["median_tokens"], min_median, "WARN", "<"))
+    _above(findings, "share_under_short", figures["share_under_short"],
+           _get(thresholds, "max_share_short_warn", None), _get(thresholds, "max_share_short_error", None))
+    _above(findings, "share_truncated", figures["share_truncated"],
+           _get(thresholds, "max_share_truncated_warn", None), _get(thresholds, "max_share_truncated_error", None))
+    return _outcome(figures, findings)
+
+
+def evaluate_token_structure(drop_reasons: Sequence[str | None], thresholds: Any) -> Outcome:
+    """``token_structure``: share of rows dropped, in total and per drop reason.
+
+    ``drop_reasons`` has one entry per generated row (None for kept rows). ``thresholds`` gives
+    ``max_share_dropped_warn`` / ``max_share_dropped_error`` (defaults 0.05 / 0.2).
+    """
+    n = len(drop_reasons)
+    if n == 0:
+        return _outcome({"count": 0}, [Finding("count", 0, 1, "ERROR", "<")])
+    counts = Counter(r for r in drop_reasons if r)
+    figures: dict[str, float] = {"count": float(n), "share_dropped": sum(counts.values()) / n}
+    figures.update({f"share_{reason}": c / n for reason, c in sorted(counts.items())})
+    findings: list[Finding] = []
+    _above(findings, "share_dropped", figures["share_dropped"],
+           _get(thresholds, "max_share_dropped_warn", 0.05), _get(thresholds, "max_share_dropped_error", 0.2))
+    return _outcome(figures, findings)

@@ -1,0 +1,136 @@
+"""Where each stage's files live, and how they are written so a crash never leaves a half-written shard.
+
+Layout under the storage root (``$EAGLE_ASSETS_HOME``, default ``<cwd>/.eagle_assets``)::
+
+    <root>/<catalog>/raw_prompts/<partition>/prompts.parquet, rejects.parquet
+    <root>/<catalog>/tokenized_prompts/<partition>/prompts.parquet, rejects.parquet
+    <root>/<catalog>/generations/<partition>/shard-00000.parquet ..., failures.parquet
+    <root>/<catalog>/qc_shards/<partition>/shard-00000.parquet, rows.parquet, qc_status.json
+    <root>/<catalog>/length_report/...
+    <root>/<catalog>/draft_vocab/...
+    <root>/<catalog>/drafter_checkpoint/...
+
+Every file is written to a temporary name in the same directory and renamed into place (``os.replace`` is atomic
+on POSIX within one filesystem), so readers see either the old file or the new one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*$")
+_SHARD = re.compile(r"^shard-(\d{5})\.parquet$")
+
+
+def default_storage_root() -> Path:
+    """The storage root: ``$EAGLE_ASSETS_HOME`` if set, else ``<cwd>/.eagle_assets`` (absolute path)."""
+    return Path(os.environ.get("EAGLE_ASSETS_HOME") or Path.cwd() / ".eagle_assets").resolve()
+
+
+def safe_name(name: str, what: str = "partition key") -> str:
+    """Return ``name`` if it is a safe single path component, else raise ``ValueError``.
+
+    Partition keys and catalog names become directory names; a key with ``/`` or ``..`` could write outside the
+    storage root, so they are refused here rather than trusted.
+    """
+    if not isinstance(name, str) or not _SAFE_NAME.match(name):
+        raise ValueError(
+            f"{what} {name!r} is not allowed: use letters, digits, '_' and '-' only (no path separators or '..')"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Paths of one catalog's files under a storage root."""
+
+    root: Path
+    catalog_name: str
+
+    def __post_init__(self) -> None:
+        safe_name(self.catalog_name, "catalog name")
+
+    @property
+    def base(self) -> Path:
+        return Path(self.root) / self.catalog_name
+
+    def stage_dir(self, stage: str, partition: str | None = None) -> Path:
+        """Directory of ``stage`` (and ``partition``); created on demand."""
+        path = self.base / safe_name(stage, "stage")
+        if partition is not None:
+            path = path / safe_name(partition)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+def write_parquet_atomic(table: pa.Table, path: Path) -> Path:
+    """Write ``table`` to ``path`` via a temp file + ``os.replace``; returns ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def write_json_atomic(obj: Any, path: Path) -> Path:
+    """Write ``obj`` as indented JSON to ``path`` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
+    os.replace(tmp, path)
+    return path
+
+
+def shard_paths(directory: Path) -> list[Path]:
+    """Completed shards ``shard-NNNNN.parquet`` in ``directory``, in order (temp files are ignored)."""
+    directory = Path(directory)
+    if not directory.exists():
+        return []
+    return sorted(p for p in directory.iterdir() if _SHARD.match(p.name))
+
+
+def next_shard_path(directory: Path) -> Path:
+    """Path of the next shard number after the existing ones."""
+    existing = [int(_SHARD.match(p.name).group(1)) for p in shard_paths(directory)]
+    return Path(directory) / f"shard-{(max(existing) + 1) if existing else 0:05d}.parquet"
+
+
+def read_shards(directory: Path, columns: list[str] | None = None) -> pa.Table | None:
+    """Concatenate every shard of ``directory`` (None when there is none)."""
+    paths = shard_paths(directory)
+    if not paths:
+        return None
+    return pa.concat_tables([pq.read_table(p, columns=columns) for p in paths], promote_options="default")
+
+
+def read_done_ids(directory: Path, column: str = "sample_id") -> set[str]:
+    """Sample ids already written to the shards of ``directory`` (the resume set)."""
+    table = read_shards(directory, columns=[column])
+    return set() if table is None else set(table.column(column).to_pylist())
+
+
+def clear_shards(directory: Path, extra: Iterable[str] = ()) -> None:
+    """Remove every shard (and the named extra files) of ``directory``: used by an explicit regenerate."""
+    for p in shard_paths(directory):
+        p.unlink()
+    for name in extra:
+        q = Path(directory) / name
+        if q.exists():
+            q.unlink()
