@@ -61,8 +61,10 @@ def build_definitions(
     )
     server = catalog.server
     if sglang is None:
-        urls = server.url if isinstance(server.url, list) else ([server.url] if server.url else [])
-        sglang = SGLangServerResource(urls=urls, launch=server.launch)
+        sglang = SGLangServerResource(
+            urls=list(server.urls), launch=server.launch, api_key_env=server.api_key_env,
+            extra_args=list(server.extra_args),
+        )
     return dg.Definitions(
         assets=asset_defs,
         asset_checks=checks,

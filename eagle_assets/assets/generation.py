@@ -1,6 +1,5 @@
 """Asset ``generations``: SGLang ``/generate`` replies for every tokenized prompt, resumable by sample id."""
 
-from __future__ import annotations
 
 import json
 from pathlib import Path

@@ -1,6 +1,5 @@
 """Assets ``raw_prompts`` and ``tokenized_prompts``."""
 
-from __future__ import annotations
 
 import hashlib
 import json

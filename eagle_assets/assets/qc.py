@@ -1,6 +1,5 @@
 """Asset ``qc_shards`` with its blocking checks ``token_structure`` and ``response_length``; asset ``length_report``."""
 
-from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path

@@ -1,0 +1,370 @@
+"""The dataset catalog: one YAML file that defines the target, the server, the partitions and training settings.
+
+Shape (see catalogs/default.yaml)::
+
+    target:   {model: demo | <local model dir> | <hub id in the local cache>, profile: {overrides}}
+    server:   {url: null | str | [str], launch: embedded | sglang, concurrency, timeout_s, api_key_env, extra_args}
+    partitions:
+      <key>:  {description, sources: [{path, format}], prompt_policy, enable_thinking, sampling: {max_new_tokens,
+               temperature, top_p, top_k}, limit, seed, max_prompt_tokens, thresholds: {...}}
+    training: {draft_vocab_size, ttt_steps, epochs, lr, max_length, batch_tokens, seed, holdout_fraction,
+               aux_layer_ids}
+
+Relative source paths resolve against the catalog file's directory; ``${VAR}`` and ``${VAR:-default}`` in any
+string are expanded from the environment. Validation uses pydantic; every problem is reported as a
+:class:`CatalogError` naming the file, the field path and what to do.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from eagle_assets.formats import FormatError, known_formats, resolve_format
+from eagle_assets.target.profile import OVERRIDE_KEYS as PROFILE_OVERRIDE_KEYS
+
+PARTITION_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*$")
+CATALOG_ENV = "EAGLE_ASSETS_CATALOG"
+_ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+class CatalogError(ValueError):
+    """An invalid catalog: the message names the file, the field and what to do."""
+
+    def __init__(self, file: str | Path, field: str, problem: str, fix: str = ""):
+        self.file = str(file)
+        self.field = field
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{file}: {field}: {problem}" + (f" -- {fix}" if fix else ""))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TargetSpec(_Strict):
+    """The target model. ``model``: "demo" (the embedded tiny target, built on demand), a local model dir, or a
+    hub id already in the local Hugging Face cache. ``profile``: FamilyProfile overrides (see target.profile)."""
+
+    model: str = "demo"
+    profile: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def is_demo(self) -> bool:
+        return self.model == "demo"
+
+    @field_validator("profile")
+    @classmethod
+    def _override_keys(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(v) - set(PROFILE_OVERRIDE_KEYS))
+        if unknown:
+            raise ValueError(f"unknown profile override(s) {unknown}; use {sorted(PROFILE_OVERRIDE_KEYS)} (token text or id)")
+        return v
+
+
+class ServerSpec(_Strict):
+    """Where generations come from: ``url`` (one SGLang server / sglang-router URL or a list) or, when null, a
+    server launched by the pipeline (``launch``: embedded | sglang)."""
+
+    url: str | list[str] | None = None
+    launch: Literal["embedded", "sglang"] = "embedded"
+    concurrency: int = Field(32, gt=0)
+    timeout_s: float = Field(600, gt=0)
+    api_key_env: str | None = None
+    extra_args: list[str] = Field(default_factory=list)
+
+    @property
+    def urls(self) -> list[str]:
+        """The configured URLs (empty = launch a server)."""
+        if self.url is None:
+            return []
+        return [self.url] if isinstance(self.url, str) else list(self.url)
+
+    @field_validator("url")
+    @classmethod
+    def _urls_are_http(cls, v: Any) -> Any:
+        for u in [v] if isinstance(v, str) else v or []:
+            if not re.match(r"^https?://", u):
+                raise ValueError(f"{u!r} is not an http(s) URL (write e.g. http://127.0.0.1:30000)")
+        return v
+
+
+class SamplingSpec(_Strict):
+    """SGLang sampling params. ``max_new_tokens`` is required: SGLang silently uses 128 when it is absent."""
+
+    max_new_tokens: int = Field(gt=0)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0, le=1)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError("top_k must be -1 (disabled) or a positive number")
+        return v
+
+
+class Thresholds(_Strict):
+    """Length gates of a partition (token counts of the completion; shares are fractions 0..1)."""
+
+    short_tokens: int = Field(300, gt=0)
+    min_median_tokens: int = Field(20, ge=0)
+    max_share_short_warn: float = Field(0.9, ge=0, le=1)
+    max_share_short_error: float = Field(1.0, ge=0, le=1)
+    max_share_truncated_warn: float = Field(0.02, ge=0, le=1)
+    max_share_truncated_error: float = Field(0.1, ge=0, le=1)
+    max_share_dropped_warn: float = Field(0.05, ge=0, le=1)
+    max_share_dropped_error: float = Field(0.2, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _warn_below_error(self) -> Thresholds:
+        for kind in ("short", "truncated"):
+            warn, err = getattr(self, f"max_share_{kind}_warn"), getattr(self, f"max_share_{kind}_error")
+            if warn > err:
+                raise ValueError(f"max_share_{kind}_warn ({warn}) is above max_share_{kind}_error ({err}); the warning level must not exceed the error level")
+        return self
+
+
+class SourceSpec(_Strict):
+    """One source file and its raw layout (a name from eagle_assets.formats.known_formats())."""
+
+    path: str
+    format: str = "auto"
+
+    @field_validator("format")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        try:
+            resolve_format(v)
+        except FormatError:
+            raise ValueError(f"unknown format {v!r}; use one of {known_formats()}") from None
+        return v
+
+
+class PartitionSpec(_Strict):
+    """One partition = one source dataset and its generation settings."""
+
+    description: str = ""
+    sources: list[SourceSpec] = Field(min_length=1)
+    prompt_policy: Literal["last_user", "first_user"] = "last_user"
+    enable_thinking: bool | None = None
+    # A tool call inside the reasoning block: "drop" the row, or "keep" it and count it as a flag.
+    tool_call_in_reasoning: Literal["drop", "keep"] = "drop"
+    sampling: SamplingSpec
+    limit: int | None = Field(None, gt=0)
+    seed: int = 0
+    max_prompt_tokens: int | None = Field(2048, gt=0)
+    thresholds: Thresholds = Field(default_factory=Thresholds)
+
+    _base_dir: Path = PrivateAttr(default=Path("."))
+    _key: str = PrivateAttr(default="")
+    _catalog_file: Path | None = PrivateAttr(default=None)
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    def resolved_sources(self, check_exists: bool = True) -> list[tuple[Path, str]]:
+        """``[(absolute path, canonical format name)]``; relative paths resolve against the catalog's directory.
+
+        Raises:
+            CatalogError: a source file does not exist (when check_exists).
+        """
+        out = []
+        for i, src in enumerate(self.sources):
+            p = Path(src.path).expanduser()
+            p = (p if p.is_absolute() else self._base_dir / p).resolve()
+            if check_exists and not p.is_file():
+                raise CatalogError(
+                    self._catalog_file or "<catalog>",
+                    f"partitions.{self._key}.sources[{i}].path",
+                    f"file {p} does not exist",
+                    "fix the path (relative paths resolve against the catalog file's directory) or create the file",
+                )
+            out.append((p, resolve_format(src.format)))
+        return out
+
+
+class TrainingSpec(_Strict):
+    """Drafter training settings (EAGLE-3 defaults: 7 TTT steps, 32k draft vocab)."""
+
+    draft_vocab_size: int = Field(32000, gt=0)
+    ttt_steps: int = Field(7, gt=0)
+    epochs: int = Field(2, gt=0)
+    lr: float = Field(3.0e-4, gt=0)
+    max_length: int = Field(2048, gt=0)
+    batch_tokens: int = Field(4096, gt=0)
+    seed: int = 0
+    holdout_fraction: float = Field(0.1, ge=0, lt=1)
+    aux_layer_ids: list[int] | None = None
+    # Acceptance-length check: simulated chain drafting of ttt_steps tokens on held-out rows.
+    acceptance_max_positions: int = Field(256, gt=0)  # verification points per partition
+    min_tau_margin: float = Field(0.05, ge=0)  # ERROR when mean tau <= 1 + margin: the drafter is useless
+    tau_warn: float = Field(1.5, ge=1)  # WARN under this mean tau
+    warmup_steps: int = Field(0, ge=0)
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _three_layers(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (len(v) != 3 or any(i < 0 for i in v)):
+            raise ValueError("aux_layer_ids must be null (SGLang default [2, L//2, L-3]) or three non-negative layer ids")
+        return v
+
+
+class Catalog(_Strict):
+    """A validated catalog. Build with :func:`load_catalog`."""
+
+    target: TargetSpec = Field(default_factory=TargetSpec)
+    server: ServerSpec = Field(default_factory=ServerSpec)
+    partitions: dict[str, PartitionSpec] = Field(min_length=1)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+
+    _path: Path | None = PrivateAttr(default=None)
+
+    @field_validator("partitions")
+    @classmethod
+    def _keys(cls, v: dict[str, PartitionSpec]) -> dict[str, PartitionSpec]:
+        for key in v:
+            if not PARTITION_KEY_RE.match(key):
+                raise ValueError(f"partition key {key!r} must match {PARTITION_KEY_RE.pattern} (letters, digits, '_' and '-'; no path separators or dots)")
+        return v
+
+    @property
+    def path(self) -> Path | None:
+        """The catalog file this was loaded from."""
+        return self._path
+
+    @property
+    def partition_keys(self) -> list[str]:
+        """Partition keys in file order."""
+        return list(self.partitions)
+
+    def partition(self, key: str) -> PartitionSpec:
+        """The spec of one partition; raises CatalogError listing the known keys."""
+        if key not in self.partitions:
+            raise CatalogError(self._path or "<catalog>", f"partitions.{key}", "no such partition", f"known partitions: {self.partition_keys}")
+        return self.partitions[key]
+
+
+def _expand_env(value: Any, where: str, file: Path) -> Any:
+    if isinstance(value, dict):
+        return {k: _expand_env(v, f"{where}.{k}" if where else str(k), file) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand_env(v, f"{where}[{i}]", file) for i, v in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match) -> str:
+        name, default = m.group(1), m.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is not None:
+            return default
+        raise CatalogError(file, where, f"environment variable {name} is not set", f"export {name}=... or write ${{{name}:-default}}")
+
+    return _ENV_RE.sub(sub, value)
+
+
+_FIXES = {
+    "max_new_tokens": "set sampling.max_new_tokens explicitly (SGLang silently generates at most 128 tokens when it is missing)",
+    "sources": "list at least one {path: ..., format: ...}",
+    "sampling": "add a sampling block with at least max_new_tokens",
+    "partitions": "define at least one partition under 'partitions:'",
+}
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts[-1:] = [f"{parts[-1]}[{item}]"] if parts else [f"[{item}]"]
+        elif str(item) in ("str", "list[str]", "function-after[_warn_below_error(), Thresholds]"):
+            continue  # pydantic union/validator branch labels, not fields
+        else:
+            parts.append(str(item))
+    return ".".join(parts) or "<top level>"
+
+
+def _all_field_names() -> set[str]:
+    names: set[str] = set()
+    for model in (TargetSpec, ServerSpec, SamplingSpec, Thresholds, SourceSpec, PartitionSpec, TrainingSpec, Catalog):
+        names.update(model.model_fields)
+    return names
+
+
+def _catalog_error(file: Path, err: ValidationError) -> CatalogError:
+    # An unknown key usually explains a "missing" one next to it (a typo), so report unknown keys first.
+    errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    first = errors[0]
+    loc = tuple(first["loc"])
+    field = _field_path(loc)
+    last = next((str(x) for x in reversed(loc) if not isinstance(x, int)), "")
+    kind = first["type"]
+    if kind == "missing":
+        problem = "is required but missing"
+    elif kind == "extra_forbidden":
+        problem = "is not a known field (typo?)"
+    else:
+        problem = first["msg"].removeprefix("Value error, ")
+        if "input" in first and not isinstance(first["input"], (dict, list)):
+            problem += f" (got {first['input']!r})"
+    fix = _FIXES.get(last, "")
+    if kind == "extra_forbidden":
+        close = difflib.get_close_matches(last, sorted(_all_field_names()), n=1)
+        fix = (f"did you mean {close[0]!r}? " if close else "") + "remove it or fix its spelling; see catalogs/default.yaml for the accepted fields"
+    more = len(errors) - 1
+    if more:
+        fix = (fix + "; " if fix else "") + f"{more} more problem(s) after this one"
+    return CatalogError(file, field, problem, fix)
+
+
+def load_catalog(path: str | Path) -> Catalog:
+    """Read, expand and validate a catalog YAML file.
+
+    Raises:
+        CatalogError: missing/unreadable file, invalid YAML, unset environment variable, or a schema violation;
+            the message names the file, the field path (e.g. ``partitions.B1_glaive.sampling.max_new_tokens``)
+            and what to do.
+    """
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise CatalogError(file, "<file>", "catalog file does not exist", f"create it or point ${CATALOG_ENV} at an existing catalog")
+    try:
+        raw = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<yaml>"
+        raise CatalogError(file, where, f"invalid YAML ({getattr(e, 'problem', e)})", "fix the YAML syntax") from None
+    if not isinstance(raw, dict):
+        raise CatalogError(file, "<top level>", f"expected a mapping with target/server/partitions/training, got {type(raw).__name__}", "see catalogs/default.yaml")
+    raw = _expand_env(raw, "", file)
+    try:
+        catalog = Catalog.model_validate(raw)
+    except ValidationError as e:
+        raise _catalog_error(file, e) from None
+    catalog._path = file
+    for key, spec in catalog.partitions.items():
+        spec._base_dir = file.parent
+        spec._key = key
+        spec._catalog_file = file
+    return catalog
+
+
+def repo_root() -> Path:
+    """The repository checkout this package lives in (catalogs/ sits at its top level)."""
+    return Path(__file__).resolve().parents[1]
+
+
+def default_catalog_path() -> Path:
+    """``$EAGLE_ASSETS_CATALOG`` if set, else ``<repo>/catalogs/default.yaml``."""
+    env = os.environ.get(CATALOG_ENV)
+    return Path(env).expanduser() if env else repo_root() / "catalogs" / "default.yaml"

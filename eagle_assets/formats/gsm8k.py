@@ -1,0 +1,30 @@
+"""GSM8K layout (openai/grade-school-math ``grade_school_math/data/*.jsonl``): ``{"question": str, "answer": str}``.
+
+The answer (worked solution with ``<<calc>>`` annotations and a final ``#### n`` line) is kept verbatim as the
+reference reply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eagle_assets.formats.conversation import BAD_FIELD_TYPE, Conversation, RecordError, finalize, make_message, require
+
+NAME = "gsm8k"
+
+
+def matches(record: Any) -> bool:
+    """True when the record has a string ``question`` (and no list-valued one, which would be BFCL)."""
+    return isinstance(record, dict) and isinstance(record.get("question"), str)
+
+
+def parse(record: Any, row: int) -> Conversation:
+    """One GSM8K problem -> Conversation; raises RecordError (see conversation.REJECT_REASONS)."""
+    question = require(record, "question", str, "gsm8k")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
+    answer = record.get("answer")
+    if answer is not None and not isinstance(answer, str):
+        raise RecordError(BAD_FIELD_TYPE, f"gsm8k field 'answer' is a {type(answer).__name__}, expected text")
+    if answer:
+        messages.append(make_message("assistant", answer, "answer"))
+    return finalize(messages, None, row, record)

@@ -1,0 +1,39 @@
+"""MT-Bench layout (FastChat ``fastchat/llm_judge/data/mt_bench/question.jsonl``):
+``{"question_id": int, "category": str, "turns": [str, str], "reference"?: [str, ...]}``.
+
+The second turn of MT-Bench is a follow-up to the model's OWN first answer, which the file does not contain. So
+the conversation is ``[user turns[0]]``; when reference answers exist for every earlier turn (math, reasoning and
+coding questions carry ``reference``), the later turns are interleaved with them:
+``user t0, assistant ref0, user t1, ...``. Without references the later turns are kept only in ``source_record``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eagle_assets.formats.conversation import BAD_FIELD_TYPE, Conversation, RecordError, finalize, make_message, require
+
+NAME = "mtbench"
+
+
+def matches(record: Any) -> bool:
+    """True when the record has a ``turns`` list of strings."""
+    return isinstance(record, dict) and isinstance(record.get("turns"), list) and all(isinstance(t, str) for t in record["turns"])
+
+
+def parse(record: Any, row: int) -> Conversation:
+    """One MT-Bench question -> Conversation; raises RecordError (see conversation.REJECT_REASONS)."""
+    turns = require(record, "turns", list, "mtbench")
+    if not turns:
+        raise RecordError("empty_prompt", "mtbench field 'turns' is an empty list")
+    for i, t in enumerate(turns):
+        if not isinstance(t, str):
+            raise RecordError(BAD_FIELD_TYPE, f"mtbench turns[{i}] is a {type(t).__name__}, expected text")
+    refs = record.get("reference")
+    usable = isinstance(refs, list) and len(refs) >= len(turns) - 1 and all(isinstance(r, str) for r in refs)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": turns[0]}]
+    if usable:
+        for i in range(1, len(turns)):
+            messages.append(make_message("assistant", refs[i - 1], f"reference[{i - 1}]"))
+            messages.append({"role": "user", "content": turns[i]})
+    return finalize(messages, None, row, record)

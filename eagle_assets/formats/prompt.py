@@ -1,0 +1,63 @@
+"""Turning a normalized conversation into a generation prompt, and the stable sample id of a raw record."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from typing import Any
+
+from eagle_assets.formats.conversation import Conversation
+
+PROMPT_POLICIES = ("last_user", "first_user")
+
+
+def sample_id(partition_key: str, source_record: Any) -> str:
+    """Stable id of a raw record within a partition: first 16 hex chars of sha256(partition key + NUL + canonical
+    JSON of the record (sorted keys, compact separators, UTF-8)).
+
+    Identical records in one partition share an id on purpose: they would produce identical prompts, so the
+    pipeline keeps one. Independent of file position, so reordering or appending to a source keeps ids.
+    """
+    canonical = json.dumps(source_record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    digest = hashlib.sha256(partition_key.encode("utf-8") + b"\x00" + canonical.encode("utf-8"))
+    return digest.hexdigest()[:16]
+
+
+def _reply(message: dict[str, Any] | None) -> dict[str, Any] | None:
+    if message is None or message.get("role") != "assistant":
+        return None
+    return copy.deepcopy({
+        "reasoning_content": message.get("reasoning_content"),
+        "content": message.get("content", ""),
+        "tool_calls": message.get("tool_calls"),
+    })
+
+
+def build_prompt(conv: Conversation, policy: str = "last_user") -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Cut a conversation into (prompt messages, reference reply or None).
+
+    Policies:
+        ``last_user``: every message up to and including the LAST user turn (earlier assistant turns, tool calls
+            and tool results stay as history); the assistant message right after it, if any, is the reference.
+        ``first_user``: the leading system message (if any) plus the FIRST user turn; the assistant message right
+            after that turn, if any, is the reference.
+    The reference is ``{"reasoning_content": str|None, "content": str, "tool_calls": list|None}``; it is the
+    dataset's answer, kept for comparison only -- the training target is the target model's own generation.
+    Messages after the reference are discarded.
+
+    Raises:
+        ValueError: unknown policy (the catalog validates policies, so this is a programming error).
+    """
+    msgs = conv.messages
+    user_idx = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+    if policy == "last_user":
+        cut = user_idx[-1]
+        prompt = copy.deepcopy(msgs[: cut + 1])
+    elif policy == "first_user":
+        cut = user_idx[0]
+        prompt = copy.deepcopy(([msgs[0]] if msgs[0]["role"] == "system" and cut > 0 else []) + [msgs[cut]])
+    else:
+        raise ValueError(f"unknown prompt policy {policy!r}; use one of {PROMPT_POLICIES}")
+    following = msgs[cut + 1] if cut + 1 < len(msgs) else None
+    return prompt, _reply(following)

@@ -1,0 +1,482 @@
+"""Asynchronous client for SGLang's native ``/generate``: bounded concurrency, retries, several servers.
+
+Protocol: see ``eagle_assets.serving.protocol`` (request built from ``GenerateReqInput`` fields, replies validated
+by ``parse_reply``). Transport choices and why:
+
+- One ``aiohttp.ClientSession`` per ``generate_many`` call with a keep-alive pool sized to the concurrency, and a
+  fixed set of worker coroutines pulling from the items iterator: no task per item, natural back-pressure on a lazy
+  iterator, no reconnect per request.
+- The request body is assembled from pre-encoded bytes (the sampling params are encoded once) and the reply is
+  parsed once, in ``parse_reply``.
+- Retried (exponential backoff with jitter, ``Retry-After`` honoured): connection errors, timeouts, HTTP 408/429/5xx,
+  and replies that fail validation (bad or truncated JSON, ``completion_tokens`` disagreeing with ``output_ids``,
+  ``finish_reason`` abort, ...). Not retried: HTTP 400/422 (the request is invalid), 401/403 (API key), 404 (wrong
+  URL), aborts carrying a 4xx status. A retry prefers another server when there are several.
+- Server choice: least requests in flight, servers that just failed are avoided for a short cool-down, ties go round
+  robin. A single ``sglang-router`` URL works the same way.
+- The API key is read from the environment variable named by ``api_key_env`` and sent as
+  ``Authorization: Bearer``; it never appears in errors, logs or ``repr``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from numbers import Integral
+from typing import Any, Callable, Iterable, Sequence
+
+import aiohttp
+
+from eagle_assets.serving.protocol import GenerateFailure, GenerateReply, ReplyError, SamplingParams, parse_reply
+
+Result = GenerateReply | GenerateFailure
+_INT_ONLY = {int}
+OnResult = Callable[[str, Result], Any]
+
+
+@dataclass
+class ClientStats:
+    """What one ``generate_many`` call did.
+
+    Attributes:
+        requests: items taken from the iterator.
+        succeeded / failed: results delivered as ``GenerateReply`` / ``GenerateFailure``.
+        attempts: HTTP requests sent; retries = attempts beyond the first of each item.
+        attempt_errors: kind -> count over every failed attempt (retried or not).
+        failure_kinds: kind -> count over final failures.
+        latencies_s: client-side seconds per succeeded request (first attempt to validated reply, retries included).
+        wall_s: seconds the whole call took.
+    """
+
+    requests: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    attempts: int = 0
+    retries: int = 0
+    attempt_errors: Counter = field(default_factory=Counter)
+    failure_kinds: Counter = field(default_factory=Counter)
+    latencies_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """Flat dict: counts, requests/s, latency p50/p99 in ms."""
+        lat = sorted(self.latencies_s)
+
+        def q(p: float) -> float:
+            return round(1000.0 * lat[min(len(lat) - 1, int(p * (len(lat) - 1) + 0.5))], 2) if lat else 0.0
+
+        return {
+            "requests": self.requests,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "attempts": self.attempts,
+            "retries": self.retries,
+            "attempt_errors": dict(self.attempt_errors),
+            "failure_kinds": dict(self.failure_kinds),
+            "requests_per_s": round((self.succeeded + self.failed) / self.wall_s, 2) if self.wall_s > 0 else 0.0,
+            "latency_p50_ms": q(0.5),
+            "latency_p99_ms": q(0.99),
+            "wall_s": round(self.wall_s, 3),
+        }
+
+
+class _Server:
+    __slots__ = ("url", "generate_url", "in_flight", "failures", "avoid_until")
+
+    def __init__(self, url: str):
+        self.url = url
+        self.generate_url = url + "/generate"
+        self.in_flight = 0
+        self.failures = 0
+        self.avoid_until = 0.0
+
+
+class _Attempt:
+    """Outcome of one failed HTTP attempt."""
+
+    __slots__ = ("kind", "message", "retryable", "retry_after", "server_fault")
+
+    def __init__(self, kind: str, message: str, retryable: bool, retry_after: float | None = None,
+                 server_fault: bool = False):
+        self.kind = kind
+        self.message = message
+        self.retryable = retryable
+        self.retry_after = retry_after
+        self.server_fault = server_fault
+
+
+def normalize_url(url: str) -> str:
+    """``host:port`` or ``http://host:port/`` -> ``http://host:port`` (no trailing slash, no ``/generate``)."""
+    url = url.strip().rstrip("/")
+    if url.endswith("/generate"):
+        url = url[: -len("/generate")]
+    if "://" not in url:
+        url = "http://" + url
+    return url
+
+
+def _retry_after(resp_headers: Any) -> float | None:
+    value = resp_headers.get("Retry-After") if resp_headers is not None else None
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _body_excerpt(raw: bytes, limit: int = 300) -> str:
+    text = raw[:limit].decode("utf-8", "replace")
+    return text + ("..." if len(raw) > limit else "")
+
+
+class GenerateClient:
+    """Client for one or more SGLang ``/generate`` servers (or one ``sglang-router``).
+
+    Args:
+        urls: base URL(s), e.g. ``http://127.0.0.1:30000`` (a trailing ``/generate`` is accepted).
+        concurrency_per_server: requests in flight per URL; the connection pool has the same size.
+        timeout_s: total seconds for one HTTP attempt (a long generation must fit).
+        max_attempts: HTTP attempts per item, first included (>= 1).
+        backoff_base_s: first retry waits about this long; each further retry doubles it (with jitter), up to
+            ``backoff_max_s``.
+        backoff_max_s: cap on one backoff wait.
+        api_key_env: name of the environment variable holding the API key; None = no key.
+        cooldown_s: how long a server that just failed (connection error, timeout, 5xx) is avoided when another
+            server is available.
+    Raises:
+        ValueError: no URL, bad numbers, or ``api_key_env`` names a variable that is unset or empty.
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        concurrency_per_server: int = 32,
+        timeout_s: float = 600.0,
+        max_attempts: int = 5,
+        backoff_base_s: float = 0.5,
+        api_key_env: str | None = None,
+        *,
+        backoff_max_s: float = 30.0,
+        cooldown_s: float = 2.0,
+    ):
+        if isinstance(urls, str):
+            urls = [urls]
+        self.urls = [normalize_url(u) for u in urls]
+        if not self.urls:
+            raise ValueError("GenerateClient needs at least one server URL")
+        if concurrency_per_server < 1 or max_attempts < 1 or timeout_s <= 0:
+            raise ValueError(
+                f"concurrency_per_server ({concurrency_per_server}) and max_attempts ({max_attempts}) must be >= 1 "
+                f"and timeout_s ({timeout_s}) > 0"
+            )
+        self.concurrency_per_server = int(concurrency_per_server)
+        self.timeout_s = float(timeout_s)
+        self.max_attempts = int(max_attempts)
+        self.backoff_base_s = float(backoff_base_s)
+        self.backoff_max_s = float(backoff_max_s)
+        self.cooldown_s = float(cooldown_s)
+        self.api_key_env = api_key_env
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if api_key_env:
+            key = os.environ.get(api_key_env)
+            if not key:
+                raise ValueError(
+                    f"api_key_env={api_key_env!r} but that environment variable is unset or empty; export the "
+                    "server's API key in it, or set api_key_env to None for a server without --api-key"
+                )
+            self._headers["Authorization"] = f"Bearer {key}"
+        self._rr = 0
+        self.last_stats: ClientStats | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"GenerateClient(urls={self.urls}, concurrency_per_server={self.concurrency_per_server}, "
+            f"timeout_s={self.timeout_s}, max_attempts={self.max_attempts}, api_key_env={self.api_key_env!r})"
+        )
+
+    # ------------------------------------------------------------------------------------------------ session
+    def _session(self, connections: int) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(limit=connections, limit_per_host=self.concurrency_per_server,
+                                         ttl_dns_cache=300, keepalive_timeout=60)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=min(self.timeout_s, 30.0))
+        return aiohttp.ClientSession(connector=connector, timeout=timeout, raise_for_status=False)
+
+    async def get_json(self, path: str, url: str | None = None) -> Any:
+        """GET ``path`` (e.g. ``/get_model_info``) from ``url`` (default the first) and return the parsed JSON.
+
+        Raises aiohttp.ClientResponseError for a non-200 status, aiohttp.ClientError / TimeoutError otherwise.
+        """
+        base = normalize_url(url) if url else self.urls[0]
+        async with self._session(1) as session:
+            async with session.get(base + path, headers=self._headers) as resp:
+                resp.raise_for_status()
+                return json.loads(await resp.read())
+
+    # ------------------------------------------------------------------------------------------------- public
+    async def generate_many(
+        self,
+        items: Iterable[tuple],
+        sampling: SamplingParams,
+        vocab_size: int | None = None,
+        on_result: OnResult | None = None,
+    ) -> ClientStats:
+        """Generate every item; call ``on_result(rid, GenerateReply | GenerateFailure)`` as each one finishes.
+
+        Args:
+            items: ``(rid, input_ids)`` or ``(rid, input_ids, SamplingParams)`` tuples; consumed lazily. ``rid`` is
+                sent as SGLang's ``rid`` and must be a string; ``input_ids`` a non-empty sequence of ints.
+            sampling: default sampling params (``max_new_tokens`` is required by ``SamplingParams``).
+            vocab_size: target vocab size for validating ids (input and output); None skips the range check.
+            on_result: sync or async callable; results arrive in completion order, not input order. An exception it
+                raises cancels the remaining work and propagates.
+        Returns:
+            ``ClientStats`` (also kept as ``self.last_stats``).
+        Invalid items (empty ids, non-int or out-of-vocab ids) become ``GenerateFailure(kind="bad_input",
+        attempts=0)`` without a request.
+        """
+        stats = ClientStats()
+        self.last_stats = stats
+        started = time.monotonic()
+        servers = [_Server(u) for u in self.urls]
+        workers = self.concurrency_per_server * len(servers)
+        encoded: dict[int, tuple[SamplingParams, bytes]] = {}
+
+        def sampling_bytes(sp: SamplingParams) -> bytes:
+            hit = encoded.get(id(sp))
+            if hit is None or hit[0] is not sp:
+                hit = (sp, json.dumps(sp.to_json(), separators=(",", ":")).encode())
+                encoded[id(sp)] = hit
+            return hit[1]
+
+        sampling_bytes(sampling)
+        iterator = iter(items)
+
+        async def worker(session: aiohttp.ClientSession) -> None:
+            while True:
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    return
+                stats.requests += 1
+                if not isinstance(item, (tuple, list)) or len(item) < 2 or (
+                    len(item) > 2 and item[2] is not None and not isinstance(item[2], SamplingParams)
+                ):
+                    rid = _item_rid(item)
+                    result: Result = GenerateFailure(
+                        rid=rid, kind="bad_input", attempts=0,
+                        last_error=f"an item must be (rid, input_ids) or (rid, input_ids, SamplingParams), got "
+                                   f"{repr(item)[:200]}",
+                    )
+                else:
+                    rid, ids = str(item[0]), item[1]
+                    sp = item[2] if len(item) > 2 and item[2] is not None else sampling
+                    result = await self._generate_one(session, servers, rid, ids, sp, sampling_bytes(sp),
+                                                      vocab_size, stats)
+                if isinstance(result, GenerateReply):
+                    stats.succeeded += 1
+                    stats.latencies_s.append(result.latency_s)
+                else:
+                    stats.failed += 1
+                    stats.failure_kinds[result.kind] += 1
+                if on_result is not None:
+                    out = on_result(rid, result)
+                    if inspect.isawaitable(out):
+                        await out
+
+        try:
+            async with self._session(workers) as session:
+                tasks = [asyncio.ensure_future(worker(session)) for _ in range(workers)]
+                try:
+                    await asyncio.gather(*tasks)
+                except BaseException:
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    raise
+        finally:
+            stats.wall_s = time.monotonic() - started
+        return stats
+
+    def generate_all(
+        self, items: Iterable[tuple], sampling: SamplingParams, vocab_size: int | None = None
+    ) -> list[Result]:
+        """Synchronous ``generate_many``: returns one result per item, in input order.
+
+        Runs its own event loop (in a helper thread when called from inside a running loop).
+        Raises ValueError for duplicate rids.
+        """
+        items = list(items)
+        position: dict[str, int] = {}
+        for i, item in enumerate(items):
+            rid = _item_rid(item)
+            if rid in position:
+                raise ValueError(f"duplicate rid {rid!r} at items {position[rid]} and {i}; rids must be unique")
+            position[rid] = i
+        results: list[Result | None] = [None] * len(items)
+
+        def on_result(rid: str, result: Result) -> None:
+            results[position[rid]] = result
+
+        _run_coroutine_sync(self.generate_many(items, sampling, vocab_size, on_result))
+        return results  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _pick(self, servers: list[_Server], avoid: _Server | None) -> _Server:
+        if len(servers) == 1:
+            return servers[0]
+        now = time.monotonic()
+        candidates = [s for s in servers if s is not avoid and s.avoid_until <= now]
+        if not candidates:
+            candidates = [s for s in servers if s is not avoid] or servers
+            least_penalty = min(s.avoid_until for s in candidates)
+            candidates = [s for s in candidates if s.avoid_until == least_penalty]
+        fewest = min(s.in_flight for s in candidates)
+        tied = [s for s in candidates if s.in_flight == fewest]
+        self._rr += 1
+        return tied[self._rr % len(tied)]
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        ceiling = min(self.backoff_max_s, self.backoff_base_s * (2 ** (attempt - 1)))
+        delay = ceiling / 2 + random.uniform(0, ceiling / 2)  # jitter spreads retries of a burst of failures
+        if retry_after is not None:
+            delay = max(delay, min(retry_after, self.backoff_max_s))
+        return delay
+
+    @staticmethod
+    def _check_input(ids: Any, vocab_size: int | None) -> tuple[list[int] | None, str]:
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+            return None, f"input_ids must be a sequence of ints, got {type(ids).__name__}"
+        if len(ids) == 0:
+            return None, "input_ids is empty"
+        # set(map(type, ...)) runs in C: this check stays cheap at thousands of requests per second
+        if type(ids) is not list or not set(map(type, ids)) <= _INT_ONLY:
+            if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in ids):
+                bad = next(t for t in ids if not isinstance(t, Integral) or isinstance(t, bool))
+                return None, f"input_ids must hold ints, found {bad!r}"
+            ids = [int(t) for t in ids]
+        if vocab_size is not None:
+            lo, hi = min(ids), max(ids)
+            if lo < 0 or hi >= vocab_size:
+                bad = lo if lo < 0 else hi
+                return None, f"input id {bad} is outside the target vocab [0, {vocab_size})"
+        return ids, ""
+
+    async def _generate_one(
+        self,
+        session: aiohttp.ClientSession,
+        servers: list[_Server],
+        rid: str,
+        ids: Any,
+        sp: SamplingParams,
+        sp_bytes: bytes,
+        vocab_size: int | None,
+        stats: ClientStats,
+    ) -> Result:
+        started = time.monotonic()
+        ids, problem = self._check_input(ids, vocab_size)
+        if ids is None:
+            return GenerateFailure(rid=rid, kind="bad_input", attempts=0, last_error=problem)
+        body = b"".join(
+            (b'{"input_ids":', json.dumps(ids, separators=(",", ":")).encode(), b',"sampling_params":', sp_bytes,
+             b',"rid":', json.dumps(rid).encode(), b"}")
+        )
+        errors: list[str] = []
+        last: _Attempt | None = None
+        server: _Server | None = None
+        attempt = 0
+        while attempt < self.max_attempts:
+            attempt += 1
+            stats.attempts += 1
+            if attempt > 1:
+                stats.retries += 1
+            server = self._pick(servers, server if last is not None and last.server_fault else None)
+            server.in_flight += 1
+            try:
+                async with session.post(server.generate_url, data=body, headers=self._headers) as resp:
+                    status = resp.status
+                    raw = await resp.read()
+                    headers = resp.headers
+            except asyncio.TimeoutError:
+                last = _Attempt("timeout", f"no complete reply from {server.url} within {self.timeout_s:g}s "
+                                           "(raise server.timeout_s for long generations)", True, server_fault=True)
+            except aiohttp.ClientError as exc:
+                last = _Attempt("connection", f"{server.url}: {type(exc).__name__}: {exc}", True, server_fault=True)
+            else:
+                if status == 200:
+                    try:
+                        reply = parse_reply(raw, ids, vocab_size, max_new_tokens=sp.max_new_tokens, rid=rid)
+                    except ReplyError as exc:
+                        last = _Attempt(exc.kind, f"{server.url}: {exc.detail}", exc.retryable,
+                                        server_fault=exc.kind == "abort")
+                    else:
+                        server.failures = 0
+                        reply.attempts = attempt
+                        reply.latency_s = time.monotonic() - started
+                        reply.server_url = server.url
+                        return reply
+                else:
+                    last = self._http_failure(server, status, raw, headers)
+            finally:
+                server.in_flight -= 1
+            errors.append(last.kind)
+            stats.attempt_errors[last.kind] += 1
+            if last.server_fault:
+                server.failures += 1
+                server.avoid_until = time.monotonic() + min(self.cooldown_s * server.failures, 30.0)
+            if not last.retryable or attempt >= self.max_attempts:
+                break
+            await asyncio.sleep(self._backoff(attempt, last.retry_after))
+        assert last is not None
+        return GenerateFailure(rid=rid, kind=last.kind, attempts=attempt, last_error=last.message,
+                               errors=tuple(errors))
+
+    def _http_failure(self, server: _Server, status: int, raw: bytes, headers: Any) -> _Attempt:
+        excerpt = _body_excerpt(raw)
+        where = f"{server.generate_url} answered HTTP {status}"
+        if status in (400, 422):
+            return _Attempt("bad_request", f"{where}: {excerpt} (the server refuses this request as sent)", False)
+        if status in (401, 403):
+            hint = (f"check the key in ${self.api_key_env}" if self.api_key_env
+                    else "the server requires an API key: set api_key_env")
+            return _Attempt("unauthorized", f"{where}: {hint}", False)
+        if status == 404:
+            return _Attempt("not_found", f"{where}: no /generate there; the URL must be an SGLang server or router "
+                                         "base URL", False)
+        if status == 429:
+            return _Attempt("http_429", f"{where}: {excerpt}", True, _retry_after(headers))
+        if status == 408:
+            return _Attempt("timeout", f"{where}: {excerpt}", True, _retry_after(headers), server_fault=True)
+        if status >= 500:
+            return _Attempt("http_5xx", f"{where}: {excerpt}", True, _retry_after(headers), server_fault=True)
+        return _Attempt(f"http_{status}", f"{where}: {excerpt}", False)
+
+
+def _item_rid(item: Any) -> str:
+    return str(item[0]) if isinstance(item, (tuple, list)) and item else repr(item)[:100]
+
+
+def _run_coroutine_sync(coro: Any) -> Any:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="generate-all")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")

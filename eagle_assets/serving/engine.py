@@ -1,0 +1,536 @@
+"""Continuous batched decoding of a local transformers causal LM, the compute side of the embedded server.
+
+One background thread owns the model. It takes queued requests, prefills them together (left padded, sorted by
+length, in chunks of at most ``max_prefill_tokens`` padded tokens), then runs ONE forward per decode step for every
+running sequence. New requests join the running batch between steps (their KV cache is left padded to the running
+length and concatenated on the batch axis) and finished sequences leave it, so a long answer does not hold back
+short ones. Columns that are padding for every remaining row are trimmed from the cache.
+
+Batch invariance: a row's result must not depend on which other rows share its batch (the pipeline resumes and
+retries requests in different company). Left padding is neutralised by the 2D attention mask and by explicit
+``position_ids`` (each row counts positions from its own first real token), but float32 kernels still round
+differently for different batch shapes (about 5e-7 on logits in our measurements), which can flip a greedy argmax
+at a near tie. ``resolve_dtype("auto")`` therefore runs CPU models of up to 1e9 parameters in float64, where the
+batch-to-single difference is about 1e-15; ``eagle_assets_tests/test_serving_engine.py`` asserts identical ids.
+
+Finish rules follow SGLang's ``Req.check_finished`` (``python/sglang/srt/managers/schedule_batch.py``): the length
+cap is tested first, then the stop ids (request ``stop_token_ids`` plus the model's EOS ids) unless ``ignore_eos``;
+the matched id stays in ``output_ids``.
+
+Caches whose layers are not plain ``DynamicLayer`` (sliding-window or linear-attention models) cannot be padded and
+merged safely, so those models run in static mode: a batch is admitted only when the previous one has finished.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from eagle_assets.serving.protocol import SamplingParams
+
+log = logging.getLogger(__name__)
+
+FLOAT64_MAX_PARAMS = 1_000_000_000
+
+
+@dataclass
+class EngineRequest:
+    """One sequence to generate.
+
+    Attributes:
+        rid: request id (echoed as ``meta_info.id``).
+        input_ids: prompt ids, non-empty, each in ``[0, vocab)`` (the server validates before submitting).
+        params: sampling parameters; ``max_new_tokens`` already capped to the context window.
+        on_done: called once, FROM THE ENGINE THREAD, with the ``EngineResult``; not called if ``cancelled``.
+        arrival: ``time.monotonic()`` at arrival, for ``e2e_latency``.
+        cancelled: set (from any thread) when nobody waits for the result any more; the row is dropped.
+    """
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    on_done: Callable[["EngineResult"], None]
+    arrival: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+
+
+@dataclass
+class EngineResult:
+    """Outcome of one ``EngineRequest``; ``finish_reason`` is SGLang's dict form (stop / length / abort)."""
+
+    rid: str
+    output_ids: list[int]
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    completion_tokens: int
+    e2e_latency: float
+
+
+@dataclass
+class EngineStats:
+    """Counters since start. ``decode_rows`` sums the batch size of every decode step, so
+    ``decode_rows / decode_steps`` is the mean decode batch. Times in seconds."""
+
+    requests_submitted: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    requests_cancelled: int = 0
+    forward_calls: int = 0
+    prefill_calls: int = 0
+    prefill_rows: int = 0
+    max_prefill_batch: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0
+    max_decode_batch: int = 0
+    tokens_generated: int = 0
+    busy_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["busy_s"] = round(self.busy_s, 4)
+        out["mean_decode_batch"] = round(self.decode_rows / self.decode_steps, 3) if self.decode_steps else 0.0
+        return out
+
+
+class _Row:
+    """A running sequence: its request, generated ids and, for sampled requests, its own RNG."""
+
+    __slots__ = ("req", "output", "next_token", "stop_ids", "generator", "greedy", "done")
+
+    def __init__(self, req: EngineRequest, eos_ids: frozenset[int], seed_source: torch.Generator):
+        self.req = req
+        self.output: list[int] = []
+        self.next_token = -1
+        self.done = False
+        p = req.params
+        self.stop_ids = frozenset() if p.ignore_eos else eos_ids | frozenset(p.stop_token_ids)
+        self.greedy = p.greedy
+        self.generator: torch.Generator | None = None
+        if not self.greedy:
+            # A per-request generator makes a seeded request reproducible whatever else shares its batch.
+            seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=seed_source))
+            self.generator = torch.Generator().manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor) -> int:
+        p = self.req.params
+        # sampled on CPU: the per-request generator is a CPU generator whatever the model's device
+        x = logits.to(device="cpu", dtype=torch.float64) / p.temperature
+        if 0 < p.top_k < x.shape[-1]:
+            kth = torch.topk(x, p.top_k).values[-1]
+            x = x.masked_fill(x < kth, -math.inf)
+        if p.top_p < 1.0:
+            sorted_x, order = torch.sort(x, descending=True)
+            probs = torch.softmax(sorted_x, dim=-1)
+            # drop a token when the mass before it already reaches top_p; the top token always stays
+            drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
+            sorted_x = sorted_x.masked_fill(drop, -math.inf)
+            x = torch.full_like(x, -math.inf).scatter(0, order, sorted_x)
+        probs = torch.softmax(x, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def push(self, token: int) -> dict[str, Any] | None:
+        """Append a token; return the finish reason dict when the row is done (SGLang's order of checks)."""
+        self.output.append(token)
+        self.next_token = token
+        cap = self.req.params.max_new_tokens
+        if len(self.output) >= cap:
+            return {"type": "length", "length": cap}
+        if token in self.stop_ids:
+            return {"type": "stop", "matched": token}
+        return None
+
+
+def resolve_dtype(dtype: str, n_params: int, device: str) -> torch.dtype:
+    """Compute dtype for ``dtype`` in {"auto", "float64", "float32", "bfloat16", "float16"}.
+
+    "auto": float64 on CPU for models of at most ``FLOAT64_MAX_PARAMS`` parameters (batch-invariant greedy ids,
+    see the module docstring), otherwise float32. Raises ValueError for other names.
+    """
+    names = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype == "auto":
+        return torch.float64 if device == "cpu" and n_params <= FLOAT64_MAX_PARAMS else torch.float32
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of {['auto', *names]}, got {dtype!r}")
+    return names[dtype]
+
+
+def load_causal_lm(model_path: str, *, dtype: str = "auto", device: str = "cpu") -> torch.nn.Module:
+    """Load a transformers causal LM for serving: eval mode, SDPA attention, dtype per ``resolve_dtype``.
+
+    Args:
+        model_path: a local model directory (loaded with ``local_files_only``) or a hub id.
+        dtype: see ``resolve_dtype``.
+        device: torch device string.
+    Raises:
+        OSError / ValueError from transformers when the directory holds no loadable causal LM.
+    """
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if os.path.isdir(model_path):
+        kwargs["local_files_only"] = True
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa", **kwargs)
+    except (ValueError, ImportError) as exc:
+        if "sdpa" not in str(exc).lower() and "scaled_dot_product" not in str(exc).lower():
+            raise
+        # Left-padded rows must go through SDPA: eager attention turns fully masked padding rows into NaN
+        # (measured in float64), which then leaks into real rows through the value matmul.
+        raise ValueError(
+            f"{model_path}: this server needs a model with SDPA attention support ({exc}); serve it with SGLang"
+        ) from exc
+    n_params = sum(p.numel() for p in model.parameters())
+    model = model.to(device=device, dtype=resolve_dtype(dtype, n_params, device))
+    model.eval()
+    return model
+
+
+def model_eos_ids(model: torch.nn.Module, tokenizer: Any | None = None) -> frozenset[int]:
+    """EOS ids the way SGLang collects them: ``config.eos_token_id``, ``generation_config.eos_token_id`` (int or
+    list) and the tokenizer's ``eos_token_id``."""
+    ids: set[int] = set()
+    sources = [getattr(model.config, "eos_token_id", None)]
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        sources.append(getattr(gen, "eos_token_id", None))
+    if tokenizer is not None:
+        sources.append(getattr(tokenizer, "eos_token_id", None))
+    for s in sources:
+        if isinstance(s, int):
+            ids.add(s)
+        elif isinstance(s, (list, tuple)):
+            ids.update(int(t) for t in s if isinstance(t, int))
+    return frozenset(ids)
+
+
+class DecodeEngine:
+    """Continuous batching decoder over one model, running in its own thread.
+
+    Args:
+        model: a causal LM in eval mode (see ``load_causal_lm``).
+        eos_ids: ids that end every request unless it sets ``ignore_eos`` (see ``model_eos_ids``).
+        max_batch_size: most sequences decoded together.
+        batch_wait_s: when idle, how long to wait after the first arrival for more requests to batch with it.
+        max_prefill_tokens: padded tokens (rows x longest prompt) per prefill forward; larger groups are split.
+        seed: seeds the source of per-request seeds for sampled requests without their own seed.
+
+    Use ``start()``, ``submit()`` from any thread, ``stop()``; ``stats`` is readable at any time.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        eos_ids: frozenset[int] | set[int] = frozenset(),
+        *,
+        max_batch_size: int = 64,
+        batch_wait_s: float = 0.005,
+        max_prefill_tokens: int = 16384,
+        seed: int | None = None,
+    ):
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model
+        self.eos_ids = frozenset(eos_ids)
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self.max_prefill_tokens = max_prefill_tokens
+        self.stats = EngineStats()
+        self.device = next(model.parameters()).device
+        self._dynamic_cache = DynamicCache
+        try:
+            probe = DynamicCache(config=model.config)
+            self.continuous = bool(probe.layers) and all(type(layer) is DynamicLayer for layer in probe.layers)
+        except Exception:  # a config DynamicCache cannot describe: never reshape its cache
+            self.continuous = False
+        self._seed_source = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % 2**62))
+        self._queue: collections.deque[EngineRequest] = collections.deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._rows: list[_Row] = []
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None  # [B, L] int64, 1 = real token
+        self._next_pos: torch.Tensor | None = None  # [B] int64, position of each row's next fed token
+
+    # ----------------------------------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the decode thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; queued and running requests finish with an ``abort`` reason."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def submit(self, requests: Sequence[EngineRequest]) -> None:
+        """Queue requests (thread-safe). After ``stop()`` they are aborted at once."""
+        with self._cv:
+            if self._stopping:
+                stopped = True
+            else:
+                stopped = False
+                self._queue.extend(requests)
+                self.stats.requests_submitted += len(requests)
+                self._cv.notify()
+        if stopped:
+            for r in requests:
+                self._finish_abort(r, "server is shutting down", 503)
+
+    @property
+    def alive(self) -> bool:
+        """True while the decode thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def running(self) -> int:
+        """Unfinished sequences in the decode batch."""
+        return sum(1 for row in self._rows if not row.done)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for admission."""
+        return len(self._queue)
+
+    # ---------------------------------------------------------------------------------------------- the thread
+    def _collect(self) -> list[EngineRequest] | None:
+        with self._cv:
+            if not self._rows:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                deadline = time.monotonic() + self.batch_wait_s
+                while not self._stopping and len(self._queue) < self.max_batch_size:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cv.wait(remaining)
+            if self._stopping:
+                return None
+            if self._rows and not self.continuous:
+                return []
+            taken: list[EngineRequest] = []
+            while self._queue and len(self._rows) + len(taken) < self.max_batch_size:
+                req = self._queue.popleft()
+                if req.cancelled:
+                    self.stats.requests_cancelled += 1
+                    continue
+                taken.append(req)
+            return taken
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                new = self._collect()
+                if new is None:
+                    break
+                started = time.perf_counter()
+                try:
+                    if new:
+                        self._admit(new)
+                        new = []
+                    if self._rows:
+                        self._decode_step()
+                except Exception as exc:  # a failing forward must not kill the server: abort what it held
+                    log.exception("decode engine: forward failed; aborting %d requests", len(self._rows) + len(new))
+                    message = f"{type(exc).__name__}: {exc}"
+                    for row in self._rows:
+                        if not row.done:
+                            self._finish_abort(row.req, message, 500)
+                    for req in new:
+                        self._finish_abort(req, message, 500)
+                    self._reset()
+                self.stats.busy_s += time.perf_counter() - started
+        with self._cv:
+            pending = list(self._queue)
+            self._queue.clear()
+        for row in self._rows:
+            if not row.done:
+                self._finish_abort(row.req, "server is shutting down", 503)
+        for req in pending:
+            self._finish_abort(req, "server is shutting down", 503)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._rows, self._cache, self._mask, self._next_pos = [], None, None, None
+
+    # ------------------------------------------------------------------------------------------------- prefill
+    def _admit(self, requests: list[EngineRequest]) -> None:
+        requests = sorted(requests, key=lambda r: len(r.input_ids))
+        group: list[EngineRequest] = []
+        for req in requests:
+            longest = len(req.input_ids)  # sorted ascending: the newcomer is the longest of the group
+            if group and longest * (len(group) + 1) > self.max_prefill_tokens:
+                self._prefill(group)
+                group = []
+            group.append(req)
+        if group:
+            self._prefill(group)
+
+    def _prefill(self, requests: list[EngineRequest]) -> None:
+        batch, width = len(requests), max(len(r.input_ids) for r in requests)
+        ids = torch.tensor([[0] * (width - len(r.input_ids)) + r.input_ids for r in requests], device=self.device)
+        mask = torch.tensor(
+            [[0] * (width - len(r.input_ids)) + [1] * len(r.input_ids) for r in requests], device=self.device
+        )
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = self._dynamic_cache(config=self.model.config)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
+        )
+        self.stats.forward_calls += 1
+        self.stats.prefill_calls += 1
+        self.stats.prefill_rows += batch
+        self.stats.max_prefill_batch = max(self.stats.max_prefill_batch, batch)
+        rows = [_Row(r, self.eos_ids, self._seed_source) for r in requests]
+        tokens = self._sample(out.logits[:, -1, :], rows)
+        keep: list[int] = []
+        for i, (row, token) in enumerate(zip(rows, tokens)):
+            finish = row.push(token)
+            if finish is not None:
+                self._finish(row, finish)
+            else:
+                keep.append(i)
+        if not keep:
+            return
+        if not self.continuous:
+            # static mode never reshapes a cache: finished rows ride along (marked done) until the batch ends
+            keep = list(range(batch))
+        elif len(keep) < batch:
+            index = torch.tensor(keep, device=self.device)
+            cache.batch_select_indices(index)
+            mask = mask[index]
+        next_pos = torch.tensor([len(rows[i].req.input_ids) for i in keep], device=self.device)
+        self._merge(cache, mask, next_pos, [rows[i] for i in keep])
+
+    def _merge(self, cache: Any, mask: torch.Tensor, next_pos: torch.Tensor, rows: list[_Row]) -> None:
+        if not self._rows:
+            self._cache, self._mask, self._next_pos, self._rows = cache, mask, next_pos, rows
+            return
+        old_len, new_len = self._mask.shape[1], mask.shape[1]
+        width = max(old_len, new_len)
+        for mine, theirs in zip(self._cache.layers, cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)], dim=0)
+            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)], dim=0)
+        self._mask = torch.cat([F.pad(self._mask, (width - old_len, 0)), F.pad(mask, (width - new_len, 0))], dim=0)
+        self._next_pos = torch.cat([self._next_pos, next_pos])
+        self._rows = self._rows + rows
+
+    # -------------------------------------------------------------------------------------------------- decode
+    def _decode_step(self) -> None:
+        rows = self._rows
+        batch = len(rows)
+        feed = torch.tensor([[row.next_token] for row in rows], device=self.device)
+        self._mask = torch.cat([self._mask, self._mask.new_ones((batch, 1))], dim=1)
+        out = self.model(
+            input_ids=feed,
+            attention_mask=self._mask,
+            position_ids=self._next_pos[:, None],
+            cache=self._cache,
+            use_cache=True,
+        )
+        self._next_pos = self._next_pos + 1
+        self.stats.forward_calls += 1
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += batch
+        self.stats.max_decode_batch = max(self.stats.max_decode_batch, batch)
+        tokens = self._sample(out.logits[:, -1, :], rows)
+        keep: list[int] = []
+        for i, (row, token) in enumerate(zip(rows, tokens)):
+            if row.done:
+                continue
+            if row.req.cancelled:
+                row.done = True
+                self.stats.requests_cancelled += 1
+                continue
+            finish = row.push(token)
+            if finish is not None:
+                self._finish(row, finish)
+            else:
+                keep.append(i)
+        if not keep:
+            self._reset()
+        elif self.continuous and len(keep) < batch:
+            self._select(keep)
+
+    def _select(self, keep: list[int]) -> None:
+        index = torch.tensor(keep, device=self.device)
+        self._cache.batch_select_indices(index)
+        self._mask = self._mask[index]
+        self._next_pos = self._next_pos[index]
+        self._rows = [self._rows[i] for i in keep]
+        first_real = int(self._mask.any(dim=0).to(torch.int8).argmax())
+        if first_real > 0:
+            for layer in self._cache.layers:
+                layer.keys = layer.keys[..., first_real:, :]
+                layer.values = layer.values[..., first_real:, :]
+            self._mask = self._mask[:, first_real:]
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, row in enumerate(rows):
+            if not row.greedy:
+                tokens[i] = row.sample(logits[i])
+        return tokens
+
+    # ------------------------------------------------------------------------------------------------- results
+    def _finish(self, row: _Row, finish: dict[str, Any]) -> None:
+        row.done = True
+        req = row.req
+        self.stats.requests_finished += 1
+        self.stats.tokens_generated += len(row.output)
+        if req.cancelled:
+            return
+        req.on_done(
+            EngineResult(
+                rid=req.rid,
+                output_ids=row.output,
+                finish_reason=finish,
+                prompt_tokens=len(req.input_ids),
+                completion_tokens=len(row.output),
+                e2e_latency=time.monotonic() - req.arrival,
+            )
+        )
+
+    def _finish_abort(self, req: EngineRequest, message: str, status_code: int) -> None:
+        self.stats.requests_aborted += 1
+        if req.cancelled:
+            return
+        req.on_done(
+            EngineResult(
+                rid=req.rid,
+                output_ids=[],
+                finish_reason={
+                    "type": "abort",
+                    "message": message,
+                    "status_code": status_code,
+                    "err_type": "InternalServerError" if status_code >= 500 else "BadRequestError",
+                },
+                prompt_tokens=len(req.input_ids),
+                completion_tokens=0,
+                e2e_latency=time.monotonic() - req.arrival,
+            )
+        )
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad a [B, H, L, D] cache tensor with zeros on the left of L up to ``width``."""
+    missing = width - t.shape[-2]
+    return t if missing == 0 else F.pad(t, (0, 0, missing, 0))

@@ -1,0 +1,456 @@
+"""Types of SGLang's native ``/generate`` protocol, and the validation of a reply before it becomes training data.
+
+Sources (sgl-project/sglang):
+
+- Request body: ``GenerateReqInput`` in ``python/sglang/srt/managers/io_struct.py``: ``input_ids`` (one list of ints
+  or a list of them), ``sampling_params`` (a dict, or one per item), ``rid`` (a string, or one per item).
+- Sampling fields and defaults: ``SamplingParams`` in ``python/sglang/srt/sampling/sampling_params.py``:
+  ``max_new_tokens`` defaults to **128** when absent, ``temperature`` 1.0 (values below 1e-6 mean greedy),
+  ``top_p`` 1.0, ``top_k`` -1 (whole vocabulary), ``stop_token_ids``, ``skip_special_tokens`` (default True there),
+  ``ignore_eos``, ``sampling_seed``. Unknown keys make SGLang reject the request, so ``to_json`` only writes
+  SGLang's own names.
+- Reply: ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
+  "cached_tokens", "e2e_latency", ...}}`` built by ``TokenizerManager`` (``tokenizer_manager.py``); a list of them
+  for a batch request.
+- ``finish_reason`` is ``BaseFinishReason.to_json()`` in ``python/sglang/srt/managers/schedule_batch.py``:
+  ``FINISH_MATCHED_TOKEN`` -> ``{"type": "stop", "matched": <token id>}``, ``FINISH_MATCHED_STR`` ->
+  ``{"type": "stop", "matched": <str>}`` (``"NaN happened"`` when the sampled id was out of range and SGLang
+  overwrote it), ``FINISH_LENGTH`` -> ``{"type": "length", "length": max_new_tokens}``, ``FINISH_ABORT`` ->
+  ``{"type": "abort", "message", "status_code", "err_type"}`` (an abort arrives as HTTP 200).
+  ``Req.check_finished`` tests the length cap before stop ids, so a stop id sampled exactly at the cap reports
+  ``length``. ``output_ids`` keep the matched stop id (the detokenizer trims it from ``text`` only).
+- Known traps this module checks for: a missing ``max_new_tokens`` silently means 128 tokens; some SGLang versions
+  return the last few prompt ids (the incremental-detokenization offset, ``INIT_INCREMENTAL_DETOKENIZATION_OFFSET``)
+  in front of ``output_ids``, which shows as ``len(output_ids) > completion_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
+GREEDY_TEMPERATURE_EPS = 1e-6
+FINISH_TYPES = ("stop", "length", "abort")
+SGLANG_NAN_MATCHED = "NaN happened"
+_INT_ONLY = {int}
+
+# SGLang sampling keys this project does not use; a request may carry them only at SGLang's default values.
+_IGNORABLE_AT_DEFAULT: dict[str, tuple[Any, ...]] = {
+    "n": (1, None),
+    "min_p": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "repetition_penalty": (1, 1.0, None),
+    "min_new_tokens": (0, None),
+    "stop": (None, "", ()),
+    "stop_regex": (None, "", ()),
+    "json_schema": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "structural_tag": (None,),
+    "custom_params": (None,),
+    "logit_bias": (None,),
+    "stream_interval": (None,),
+    "no_stop_trim": (False, None),
+    "spaces_between_special_tokens": (True, None),
+}
+
+
+def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
+    # bools compare by identity so that True does not pass for a default of 1
+    if isinstance(value, list):
+        value = tuple(value)
+    for d in defaults:
+        if value is d or (type(value) is not bool and type(d) is not bool and value == d):
+            return True
+    return False
+
+
+class ReplyError(Exception):
+    """A ``/generate`` reply that must not become a training row.
+
+    Attributes:
+        kind: short machine-readable reason: ``bad_json``, ``not_object``, ``server_error``, ``missing_field``,
+            ``bad_type``, ``id_out_of_vocab``, ``length_mismatch``, ``prompt_echo``, ``prompt_tokens_mismatch``,
+            ``rid_mismatch``, ``unknown_finish_reason``, ``stop_mismatch``, ``too_long``, ``nan_output``, ``abort``.
+        detail: what was wrong and what to do about it.
+        retryable: whether sending the same request again may succeed. Every kind is retryable (a misbehaving
+            server or proxy may answer correctly next time, and attempts are bounded) except an ``abort`` that
+            carries a 4xx ``status_code``, which SGLang uses for requests it will always refuse.
+    """
+
+    def __init__(self, kind: str, detail: str, retryable: bool = True):
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+        self.retryable = retryable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters of one ``/generate`` request (SGLang ``SamplingParams`` names and defaults).
+
+    Attributes:
+        max_new_tokens: cap on generated tokens (>= 1). REQUIRED here: SGLang silently uses 128 when the field is
+            absent, which truncates reasoning chains without any error; constructing without it raises ValueError.
+        temperature: >= 0; below 1e-6 means greedy (argmax), as in SGLang.
+        top_p: nucleus mass in (0, 1].
+        top_k: -1 (whole vocabulary) or >= 1.
+        stop_token_ids: extra ids that end generation, on top of the model's EOS ids. The matched id stays in
+            ``output_ids``.
+        skip_special_tokens: affects only the reply's ``text`` (SGLang default True; False here so special tokens
+            such as ``<think>`` stay visible).
+        seed: per-request sampling seed, sent as SGLang's ``sampling_seed``; None = server's randomness.
+        ignore_eos: do not stop at EOS or ``stop_token_ids`` (SGLang ignores both when set).
+
+    Raises:
+        ValueError: missing or non-positive ``max_new_tokens``, or any value outside the ranges above.
+    """
+
+    max_new_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    skip_special_tokens: bool = False
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens is None:
+            raise ValueError(
+                "SamplingParams.max_new_tokens is required: SGLang silently caps a request without it at "
+                f"{SGLANG_DEFAULT_MAX_NEW_TOKENS} tokens, which truncates long answers without any error. "
+                "Set it explicitly (e.g. the partition's sampling.max_new_tokens in the catalog)."
+            )
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        temp = self.temperature
+        if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temp!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"top_k must be -1 (whole vocabulary) or an int >= 1, got {self.top_k!r}")
+        stops = self.stop_token_ids
+        if stops is None:
+            stops = ()
+        if isinstance(stops, (str, bytes)) or not isinstance(stops, Iterable):
+            raise ValueError(f"stop_token_ids must be a sequence of ints, got {stops!r}")
+        stops = tuple(stops)
+        for t in stops:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must hold ints >= 0, got {t!r} in {list(stops)}")
+        object.__setattr__(self, "stop_token_ids", stops)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        object.__setattr__(self, "temperature", float(temp))
+        object.__setattr__(self, "top_p", float(self.top_p))
+
+    @property
+    def greedy(self) -> bool:
+        """True when SGLang would decode greedily (temperature < 1e-6 or top_k == 1)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``sampling_params`` dict in SGLang's field names (``seed`` is sent as ``sampling_seed``)."""
+        out: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is not None:
+            out["sampling_seed"] = self.seed
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any, *, default_max_new_tokens: int | None = None) -> "SamplingParams":
+        """Parse a request's ``sampling_params`` dict (SGLang names; ``seed`` accepted for ``sampling_seed``).
+
+        Args:
+            obj: the dict (None = empty).
+            default_max_new_tokens: used when ``max_new_tokens`` is absent; a server imitating SGLang passes 128.
+                None (default) makes an absent value an error.
+        Raises:
+            ValueError: not a dict, unknown keys, a feature this project does not implement used at a non-default
+                value (penalties, min_p, grammars, stop strings, n > 1), or invalid values.
+        """
+        if obj is None:
+            obj = {}
+        if not isinstance(obj, dict):
+            raise ValueError(f"sampling_params must be a JSON object, got {type(obj).__name__}")
+        known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "skip_special_tokens",
+                 "sampling_seed", "seed", "ignore_eos"}
+        unknown = sorted(k for k in obj if k not in known and k not in _IGNORABLE_AT_DEFAULT)
+        if unknown:
+            raise ValueError(f"unknown sampling_params keys {unknown}; supported: {sorted(known)}")
+        unsupported = sorted(
+            k for k, defaults in _IGNORABLE_AT_DEFAULT.items() if k in obj and not _is_default(obj[k], defaults)
+        )
+        if unsupported:
+            raise ValueError(
+                f"sampling_params {unsupported} are not supported by this server at non-default values "
+                f"(got {({k: obj[k] for k in unsupported})}); use stop_token_ids instead of stop strings and "
+                "serve with SGLang for penalties or grammars"
+            )
+        max_new = obj.get("max_new_tokens", None)
+        if max_new is None:
+            max_new = default_max_new_tokens
+        seed = obj.get("sampling_seed", obj.get("seed"))
+        top_k = obj.get("top_k", -1)
+        temperature = obj.get("temperature", 1.0)
+        top_p = obj.get("top_p", 1.0)
+        return cls(
+            max_new_tokens=max_new,
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=-1 if top_k is None else top_k,
+            stop_token_ids=tuple(obj.get("stop_token_ids") or ()),
+            skip_special_tokens=bool(obj.get("skip_special_tokens", True)),
+            seed=seed,
+            ignore_eos=bool(obj.get("ignore_eos", False)),
+        )
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """``meta_info.finish_reason`` of a reply (``schedule_batch.py`` ``FINISH_*`` classes, ``to_json``).
+
+    Attributes:
+        type: ``"stop"``, ``"length"`` or ``"abort"``.
+        matched: for ``stop``: the matched stop token id (int), or a stop string (str).
+        length: for ``length``: the cap that was hit (SGLang reports ``max_new_tokens``).
+        message: for ``abort``: SGLang's message.
+        status_code: for ``abort``: the HTTP-like status SGLang attached (400 = the request itself is invalid).
+    """
+
+    type: str
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "FinishReason":
+        """Parse the ``finish_reason`` dict. Raises ``ReplyError`` (``unknown_finish_reason``) for anything else."""
+        if not isinstance(obj, dict):
+            raise ReplyError(
+                "unknown_finish_reason",
+                f"meta_info.finish_reason must be an object with a 'type', got {obj!r} "
+                "(None means the request had not finished: a streaming chunk, or a server bug)",
+            )
+        ftype = obj.get("type")
+        if ftype not in FINISH_TYPES:
+            raise ReplyError("unknown_finish_reason", f"finish_reason.type {ftype!r} is not one of {FINISH_TYPES}")
+        matched = obj.get("matched")
+        if isinstance(matched, list) and len(matched) == 1:
+            matched = matched[0]
+        if matched is not None and (isinstance(matched, bool) or not isinstance(matched, (int, str))):
+            raise ReplyError("unknown_finish_reason", f"finish_reason.matched must be an int or str, got {matched!r}")
+        length = obj.get("length")
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int)):
+            raise ReplyError("unknown_finish_reason", f"finish_reason.length must be an int, got {length!r}")
+        status = obj.get("status_code")
+        message = obj.get("message")
+        return cls(
+            type=ftype,
+            matched=matched,
+            length=length,
+            message=None if message is None else str(message),
+            status_code=status if isinstance(status, int) and not isinstance(status, bool) else None,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The SGLang dict form (only the fields of this ``type``)."""
+        if self.type == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.type == "length":
+            return {"type": "length", "length": self.length}
+        return {"type": self.type, "message": self.message, "status_code": self.status_code}
+
+
+@dataclass(slots=True)
+class GenerateReply:
+    """One validated ``/generate`` result.
+
+    Attributes:
+        output_ids: generated token ids (ints of the target vocab), the matched stop id included.
+        finish_reason: parsed ``meta_info.finish_reason`` (never ``abort``: aborts raise ``ReplyError``).
+        prompt_tokens: ``meta_info.prompt_tokens`` (== len(prompt ids) when they were given to ``parse_reply``).
+        completion_tokens: ``meta_info.completion_tokens`` (== len(output_ids)).
+        e2e_latency: server-side seconds from arrival to finish (``meta_info.e2e_latency``), None if absent.
+        cached_tokens: ``meta_info.cached_tokens`` (prefix-cache hits), None if absent.
+        rid: ``meta_info.id``.
+        attempts: HTTP attempts the client needed (1 = no retry); set by the client.
+        latency_s: client-measured seconds from the first attempt to the validated reply; set by the client.
+        server_url: base URL that answered; set by the client.
+    """
+
+    output_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    e2e_latency: float | None = None
+    cached_tokens: int | None = None
+    rid: str | None = None
+    attempts: int = 1
+    latency_s: float | None = None
+    server_url: str | None = None
+
+
+@dataclass(frozen=True)
+class GenerateFailure:
+    """A request that produced no valid reply after all attempts.
+
+    Attributes:
+        rid: the caller's request id.
+        kind: ``ReplyError.kind`` of the last attempt, or a transport kind: ``connection``, ``timeout``,
+            ``http_429``, ``http_5xx``, ``bad_request`` (HTTP 400/422), ``unauthorized`` (401/403), ``not_found``,
+            ``http_<code>``, or ``bad_input`` (rejected by the client before sending).
+        attempts: HTTP attempts made (0 for ``bad_input``).
+        last_error: the last error message (never contains the API key).
+        errors: kind of every failed attempt, in order.
+    """
+
+    rid: str
+    kind: str
+    attempts: int
+    last_error: str
+    errors: tuple[str, ...] = field(default=())
+
+
+def _int_field(meta: dict, name: str) -> int:
+    value = meta.get(name)
+    if value is None:
+        raise ReplyError("missing_field", f"meta_info.{name} is missing")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ReplyError("bad_type", f"meta_info.{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def parse_reply(
+    reply: bytes | str | dict,
+    prompt_ids: Sequence[int] | None = None,
+    vocab_size: int | None = None,
+    *,
+    max_new_tokens: int | None = None,
+    rid: str | None = None,
+) -> GenerateReply:
+    """Validate one ``/generate`` reply and return it as a ``GenerateReply``.
+
+    Args:
+        reply: the HTTP body (bytes/str, parsed here) or the already parsed dict of ONE item.
+        prompt_ids: the request's ``input_ids``; enables the ``prompt_tokens`` and prompt-echo checks.
+        vocab_size: target vocab size; every output id must be in ``[0, vocab_size)``. None skips the check.
+        max_new_tokens: the request's cap; more completion tokens than this is ``too_long``.
+        rid: the request id sent; a different ``meta_info.id`` is ``rid_mismatch`` (a router mixing replies).
+    Returns:
+        the reply, with ``len(output_ids) == completion_tokens`` guaranteed.
+    Raises:
+        ReplyError: kinds listed on ``ReplyError``. ``prompt_echo`` when ``output_ids`` holds k more ids than
+            ``completion_tokens`` and those k ids equal the prompt's last k ids.
+    """
+    if isinstance(reply, (bytes, bytearray, str)):
+        try:
+            reply = json.loads(reply)
+        except (ValueError, UnicodeDecodeError) as exc:
+            size = len(reply)
+            raise ReplyError("bad_json", f"reply body ({size} bytes) is not valid JSON: {exc}") from None
+    if not isinstance(reply, dict):
+        raise ReplyError("not_object", f"expected one reply object, got {type(reply).__name__}")
+    if "error" in reply and "output_ids" not in reply:
+        raise ReplyError("server_error", f"server answered with an error object: {str(reply['error'])[:500]}")
+    meta = reply.get("meta_info")
+    if not isinstance(meta, dict):
+        raise ReplyError("missing_field", "reply has no meta_info object")
+    finish = FinishReason.from_json(meta.get("finish_reason"))
+    if finish.type == "abort":
+        refused = finish.status_code is not None and 400 <= finish.status_code < 500
+        raise ReplyError(
+            "abort",
+            f"server aborted the request (status_code={finish.status_code}): {finish.message}",
+            retryable=not refused,
+        )
+    output_ids = reply.get("output_ids")
+    if output_ids is None:
+        raise ReplyError(
+            "missing_field",
+            "reply has no output_ids (an SGLang server returns them for input_ids requests; check the URL is "
+            "SGLang's native /generate, not an OpenAI endpoint)",
+        )
+    if type(output_ids) is not list or not set(map(type, output_ids)) <= _INT_ONLY:
+        bad = output_ids if type(output_ids) is not list else next(t for t in output_ids if type(t) is not int)
+        raise ReplyError("bad_type", f"output_ids must be a list of ints, found {bad!r}")
+    if vocab_size is not None and output_ids:
+        lo, hi = min(output_ids), max(output_ids)
+        if lo < 0 or hi >= vocab_size:
+            pos = next(i for i, t in enumerate(output_ids) if t < 0 or t >= vocab_size)
+            raise ReplyError(
+                "id_out_of_vocab",
+                f"output_ids[{pos}] = {output_ids[pos]} is outside the target vocab [0, {vocab_size}); the server "
+                "serves a different model or tokenizer than the one the prompts were rendered with",
+            )
+    completion = _int_field(meta, "completion_tokens")
+    prompt_tokens = _int_field(meta, "prompt_tokens")
+    n_out = len(output_ids)
+    if n_out != completion:
+        extra = n_out - completion
+        if prompt_ids is not None and 0 < extra <= len(prompt_ids) and list(output_ids[:extra]) == list(
+            prompt_ids[-extra:]
+        ):
+            raise ReplyError(
+                "prompt_echo",
+                f"output_ids start with the last {extra} prompt ids ({len(output_ids)} ids for "
+                f"completion_tokens={completion}); this SGLang version returns the incremental-detokenization "
+                "prompt tail in output_ids: upgrade SGLang (the rows would otherwise duplicate prompt tokens)",
+            )
+        raise ReplyError(
+            "length_mismatch",
+            f"len(output_ids)={n_out} but meta_info.completion_tokens={completion}; refusing a reply whose ids "
+            "and token count disagree",
+        )
+    if prompt_ids is not None and prompt_tokens != len(prompt_ids):
+        raise ReplyError(
+            "prompt_tokens_mismatch",
+            f"meta_info.prompt_tokens={prompt_tokens} but the request had {len(prompt_ids)} input_ids; the reply "
+            "belongs to another request or the server re-tokenized the prompt",
+        )
+    server_rid = meta.get("id")
+    if rid is not None and server_rid is not None and str(server_rid) != rid:
+        raise ReplyError("rid_mismatch", f"meta_info.id={server_rid!r} but the request's rid was {rid!r}")
+    if max_new_tokens is not None and completion > max_new_tokens:
+        raise ReplyError("too_long", f"{completion} completion tokens exceed max_new_tokens={max_new_tokens}")
+    if finish.type == "stop":
+        if finish.matched == SGLANG_NAN_MATCHED:
+            raise ReplyError(
+                "nan_output",
+                "SGLang reported 'NaN happened': the sampled id was out of range and was overwritten; the "
+                "target model produced NaN logits",
+            )
+        if isinstance(finish.matched, int) and (not output_ids or output_ids[-1] != finish.matched):
+            last = output_ids[-1] if output_ids else None
+            raise ReplyError(
+                "stop_mismatch",
+                f"finish_reason matched stop id {finish.matched} but the last output id is {last}; SGLang keeps "
+                "the matched id in output_ids, so the ids were trimmed or belong to another request",
+            )
+    latency = meta.get("e2e_latency")
+    cached = meta.get("cached_tokens")
+    return GenerateReply(
+        output_ids=output_ids,
+        finish_reason=finish,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        e2e_latency=float(latency) if isinstance(latency, (int, float)) and not isinstance(latency, bool) else None,
+        cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) else None,
+        rid=None if server_rid is None else str(server_rid),
+    )

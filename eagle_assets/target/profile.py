@@ -1,0 +1,217 @@
+"""Per-family marker and stop token ids of a target model, detected from its tokenizer.
+
+Sources for the markers:
+- Qwen3 (``Qwen/Qwen3-*`` tokenizer_config.json): ``<think>`` 151667, ``</think>`` 151668, ``<tool_call>`` 151657,
+  ``</tool_call>`` 151658, ``<|im_end|>`` 151645, ``<|endoftext|>`` 151643; generation_config eos [151645, 151643].
+- DeepSeek-V3/R1 (``deepseek-ai/DeepSeek-V3`` tokenizer): ``<think>`` 128798, ``</think>`` 128799,
+  ``<｜tool▁calls▁begin｜>`` / ``<｜tool▁calls▁end｜>`` around ``<｜tool▁call▁begin｜>`` / ``<｜tool▁call▁end｜>``,
+  every turn ends with ``<｜end▁of▁sentence｜>`` (id 1, the eos).
+- Kimi-K2 / K2.5 (``moonshotai/Kimi-K2*`` tokenizer_config.json + config.json): ``<think>`` 163606, ``</think>``
+  163607, ``<|tool_calls_section_begin|>`` 163595 / ``_end|>`` 163596 around ``<|tool_call_begin|>`` 163597 /
+  ``<|tool_call_end|>`` 163599, ``<|im_end|>`` 163586 (config eos), ``[EOS]`` 163585.
+- the embedded demo target: Qwen-style ChatML tokens (see eagle_assets/demo), small vocab.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+
+class ProfileError(ValueError):
+    """The tokenizer's family cannot be profiled, or an override names a token the tokenizer does not have."""
+
+
+@dataclass(frozen=True)
+class FamilyProfile:
+    """Token ids that structure a target model's output.
+
+    Attributes:
+        name: "qwen3" | "deepseek" | "kimi" | "demo" | "custom".
+        think_start_id / think_end_id: reasoning block markers, None when the family has none.
+        tool_call_start_ids / tool_call_end_ids: paired element-wise, outermost first: ``start[i]`` opens what
+            ``end[i]`` closes (Qwen3: (``<tool_call>``,); Kimi: (section begin, call begin) / (section end, call
+            end)). Empty when the family has no tool-call tokens.
+        end_of_turn_id: the id that ends an assistant turn in the chat template.
+        stop_ids: every id that ends generation (end of turn, eos, generation_config eos), end_of_turn_id first.
+    """
+
+    name: str
+    think_start_id: int | None
+    think_end_id: int | None
+    tool_call_start_ids: tuple[int, ...]
+    tool_call_end_ids: tuple[int, ...]
+    end_of_turn_id: int
+    stop_ids: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict (for asset metadata and Parquet schema metadata)."""
+        return {
+            "name": self.name,
+            "think_start_id": self.think_start_id,
+            "think_end_id": self.think_end_id,
+            "tool_call_start_ids": list(self.tool_call_start_ids),
+            "tool_call_end_ids": list(self.tool_call_end_ids),
+            "end_of_turn_id": self.end_of_turn_id,
+            "stop_ids": list(self.stop_ids),
+        }
+
+
+OVERRIDE_KEYS = {
+    "name": "name",
+    "think_start": "think_start_id",
+    "think_start_id": "think_start_id",
+    "think_end": "think_end_id",
+    "think_end_id": "think_end_id",
+    "tool_call_start": "tool_call_start_ids",
+    "tool_call_start_ids": "tool_call_start_ids",
+    "tool_call_end": "tool_call_end_ids",
+    "tool_call_end_ids": "tool_call_end_ids",
+    "end_of_turn": "end_of_turn_id",
+    "end_of_turn_id": "end_of_turn_id",
+    "stop_ids": "stop_ids",
+    "stop": "stop_ids",
+}
+
+
+def _vocab(tokenizer: Any) -> dict[str, int]:
+    vocab = dict(tokenizer.get_vocab())
+    for idx, tok in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        vocab.setdefault(str(tok), int(idx))
+    return vocab
+
+
+def _generation_eos(tokenizer: Any) -> list[int]:
+    """eos ids from generation_config.json / config.json beside the tokenizer, when it was loaded from a dir."""
+    base = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
+    ids: list[int] = []
+    for fname in ("generation_config.json", "config.json"):
+        f = base / fname
+        if not f.is_file():
+            continue
+        try:
+            cfg = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        for source in (cfg, cfg.get("text_config") or {}):
+            eos = source.get("eos_token_id") if isinstance(source, dict) else None
+            for e in eos if isinstance(eos, list) else [eos]:
+                if isinstance(e, int) and e not in ids:
+                    ids.append(e)
+    return ids
+
+
+def _resolve(tokenizer: Any, vocab: dict[str, int], value: Any, key: str) -> int:
+    n = len(tokenizer)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ProfileError(f"profile override {key!r}: {value!r} is neither a token string nor an id")
+    if isinstance(value, int):
+        if not 0 <= value < n:
+            raise ProfileError(f"profile override {key!r}: id {value} is outside the tokenizer's {n} ids")
+        return value
+    if value not in vocab:
+        raise ProfileError(f"profile override {key!r}: token {value!r} is not a single token of this tokenizer; give its id or the exact token text")
+    return vocab[value]
+
+
+def _apply_overrides(profile: FamilyProfile, tokenizer: Any, vocab: dict[str, int], overrides: dict[str, Any]) -> FamilyProfile:
+    changes: dict[str, Any] = {}
+    for key, value in overrides.items():
+        field_name = OVERRIDE_KEYS.get(key)
+        if field_name is None:
+            raise ProfileError(f"unknown profile override {key!r}; use one of {sorted(OVERRIDE_KEYS)}")
+        if field_name == "name":
+            changes["name"] = str(value)
+        elif field_name in ("think_start_id", "think_end_id"):
+            changes[field_name] = None if value is None else _resolve(tokenizer, vocab, value, key)
+        elif field_name == "end_of_turn_id":
+            changes[field_name] = _resolve(tokenizer, vocab, value, key)
+        else:
+            values = [] if value is None else value if isinstance(value, (list, tuple)) else [value]
+            changes[field_name] = tuple(_resolve(tokenizer, vocab, v, key) for v in values)
+    profile = replace(profile, **changes)
+    if len(profile.tool_call_start_ids) != len(profile.tool_call_end_ids):
+        raise ProfileError(f"tool_call_start ids {profile.tool_call_start_ids} and tool_call_end ids {profile.tool_call_end_ids} must pair up one to one")
+    if (profile.think_start_id is None) != (profile.think_end_id is None):
+        raise ProfileError("think_start and think_end must both be set or both be null")
+    if not profile.stop_ids:
+        raise ProfileError("stop_ids is empty; generation could never end with a stop token")
+    if profile.end_of_turn_id not in profile.stop_ids:
+        profile = replace(profile, stop_ids=(profile.end_of_turn_id, *profile.stop_ids))
+    return profile
+
+
+def detect_profile(tokenizer: Any, overrides: dict[str, Any] | None = None) -> FamilyProfile:
+    """Detect the family profile of a tokenizer, then apply catalog overrides.
+
+    Detection uses the vocabulary only (no model name matching): Kimi's ``<|im_middle|>`` + tool-call section
+    tokens, DeepSeek's ``<｜Assistant｜>``, ChatML's ``<|im_start|>``/``<|im_end|>`` (Qwen3, or "demo" when a
+    ``recipe.json`` of the embedded demo build sits beside the tokenizer or the vocab is small). Anything else is
+    "custom": end of turn = eos, think markers only if ``<think>``/``</think>`` exist.
+
+    Args:
+        tokenizer: a transformers tokenizer (``get_vocab``, ``eos_token_id``, ``len``).
+        overrides: keys think_start, think_end, tool_call_start, tool_call_end, end_of_turn, stop_ids, name (token
+            strings or ids; lists for the tuple fields; null disables think markers).
+    Raises:
+        ProfileError: no end-of-turn id can be found (custom family without eos) and none is given, or an
+            override is invalid.
+    """
+    vocab = _vocab(tokenizer)
+    overrides = dict(overrides or {})
+
+    def tid(token: str) -> int | None:
+        return vocab.get(token)
+
+    eos = tokenizer.eos_token_id
+    think = (tid("<think>"), tid("</think>"))
+    if think[0] is None or think[1] is None:
+        think = (None, None)
+    extra_eos = _generation_eos(tokenizer)
+
+    if tid("<|im_middle|>") is not None and tid("<|tool_calls_section_begin|>") is not None:
+        name = "kimi"
+        starts = (tid("<|tool_calls_section_begin|>"), tid("<|tool_call_begin|>"))
+        ends = (tid("<|tool_calls_section_end|>"), tid("<|tool_call_end|>"))
+        eot = tid("<|im_end|>")
+    elif tid("<｜Assistant｜>") is not None:
+        name = "deepseek"
+        starts = (tid("<｜tool▁calls▁begin｜>"), tid("<｜tool▁call▁begin｜>"))
+        ends = (tid("<｜tool▁calls▁end｜>"), tid("<｜tool▁call▁end｜>"))
+        eot = tid("<｜end▁of▁sentence｜>")
+    elif tid("<|im_start|>") is not None and tid("<|im_end|>") is not None:
+        base = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
+        name = "demo" if (base / "recipe.json").is_file() or len(tokenizer) < 32000 else "qwen3"
+        starts = (tid("<tool_call>"),)
+        ends = (tid("</tool_call>"),)
+        eot = tid("<|im_end|>")
+        endoftext = tid("<|endoftext|>")
+        if endoftext is not None and endoftext not in extra_eos:
+            extra_eos.append(endoftext)
+    else:
+        name = "custom"
+        starts, ends = (), ()
+        eot = eos
+
+    pairs = [(s, e) for s, e in zip(starts, ends) if s is not None and e is not None]
+    if eot is None:
+        eot = overrides.get("end_of_turn", overrides.get("end_of_turn_id"))
+        if eot is None:
+            raise ProfileError("the tokenizer has no eos token and no known end-of-turn token; set target.profile.end_of_turn (and stop_ids) in the catalog")
+        eot = _resolve(tokenizer, vocab, eot, "end_of_turn")
+    stops: list[int] = [eot]
+    for s in [eos, *extra_eos]:
+        if isinstance(s, int) and s not in stops and 0 <= s < len(tokenizer):
+            stops.append(s)
+    profile = FamilyProfile(
+        name=name,
+        think_start_id=think[0],
+        think_end_id=think[1],
+        tool_call_start_ids=tuple(s for s, _ in pairs),
+        tool_call_end_ids=tuple(e for _, e in pairs),
+        end_of_turn_id=eot,
+        stop_ids=tuple(stops),
+    )
+    return _apply_overrides(profile, tokenizer, vocab, overrides) if overrides else profile

@@ -1,0 +1,203 @@
+"""Rendering a prompt exactly once into the token ids sent to SGLang's ``/generate`` (``input_ids``).
+
+The training row is later ``prompt_ids + output_ids``; nothing is ever re-rendered or re-tokenized, because
+re-rendering changes or drops reasoning in many chat templates (Qwen3 strips ``<think>`` of earlier turns,
+DeepSeek-V3 cuts content before ``</think>``). Rendering follows transformers' chat-template contract:
+``apply_chat_template(messages, tools=..., add_generation_prompt=True, tokenize=False)`` then
+``tokenizer(text, add_special_tokens=False)`` -- the template already writes BOS where the model wants it, and
+letting the tokenizer add another one is the classic double-BOS bug.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from eagle_assets.target.profile import FamilyProfile
+
+# Render failure reasons (stable strings; the tokenized_prompts asset counts them like rejects).
+TOOLS_IGNORED = "tools_ignored"
+DOUBLE_BOS = "double_bos"
+CONTROL_TOKEN_IN_TEXT = "control_token_in_text"
+PROMPT_TOO_LONG = "prompt_too_long"
+TEMPLATE_ERROR = "template_error"
+MISSING_GENERATION_PROMPT = "missing_generation_prompt"
+RENDER_REASONS: tuple[str, ...] = (
+    TOOLS_IGNORED,
+    DOUBLE_BOS,
+    CONTROL_TOKEN_IN_TEXT,
+    PROMPT_TOO_LONG,
+    TEMPLATE_ERROR,
+    MISSING_GENERATION_PROMPT,
+)
+
+
+class RenderError(Exception):
+    """A prompt that must not be sent: ``reason`` in RENDER_REASONS, ``detail`` says what was found."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A rendered prompt.
+
+    Attributes:
+        prompt_ids: token ids (Python ints; store as int32) ending with the template's generation prompt.
+        n_prompt_tokens: len(prompt_ids).
+        template_hash: first 16 hex chars of sha256 of the chat template source (lineage: a template change
+            changes every prompt).
+        flags: ``bos`` (prompt starts with the BOS id), ``has_tools``, ``enable_thinking`` (as passed),
+            ``ends_with_think_start`` (the generation prompt pre-opens a reasoning block, so the output must
+            close it), ``tool_arguments_as_string`` (the template needed JSON-string arguments),
+            ``generation_prompt`` (the text the generation prompt added).
+        text: the rendered prompt text.
+    """
+
+    prompt_ids: list[int]
+    n_prompt_tokens: int
+    template_hash: str
+    flags: dict[str, Any] = field(default_factory=dict)
+    text: str = ""
+
+
+def template_hash(tokenizer: Any) -> str:
+    """First 16 hex chars of sha256 of the tokenizer's chat template (a dict of named templates is hashed as
+    canonical JSON); raises RenderError(template_error) when there is none."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise RenderError(TEMPLATE_ERROR, "the tokenizer has no chat_template; use a model dir whose tokenizer_config.json (or chat_template.jinja) defines one")
+    source = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    return hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
+
+
+def special_token_strings(tokenizer: Any) -> list[str]:
+    """Every added/special token text the tokenizer matches atomically inside plain text, longest first."""
+    tokens = {str(t) for t in getattr(tokenizer, "all_special_tokens", [])}
+    tokens.update(str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values())
+    return sorted((t for t in tokens if len(t) > 1), key=len, reverse=True)
+
+
+def _check_control_tokens(tokenizer: Any, messages: list[dict[str, Any]]) -> None:
+    specials = special_token_strings(tokenizer)
+    for i, msg in enumerate(messages):
+        if msg.get("role") not in ("user", "tool", "system"):
+            continue
+        text = msg.get("content")
+        if not isinstance(text, str):
+            continue
+        found = [(text.find(tok), -len(tok), tok) for tok in specials if tok in text]
+        if found:
+            pos, _, tok = min(found)
+            raise RenderError(
+                CONTROL_TOKEN_IN_TEXT,
+                f"message {i} ({msg['role']}) contains the control token {tok!r} at char {pos}; it would be "
+                f"tokenized as the control id and corrupt the turn structure (drop or escape the record)",
+            )
+
+
+def _stringify_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = copy.deepcopy(messages)
+    for msg in out:
+        for call in msg.get("tool_calls") or []:
+            fn = call.get("function", {})
+            if not isinstance(fn.get("arguments"), str):
+                fn["arguments"] = json.dumps(fn.get("arguments", {}), ensure_ascii=False)
+    return out
+
+
+def _apply(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, gen: bool, kwargs: dict[str, Any]) -> str:
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=gen, tokenize=False, **kwargs)
+    if not isinstance(text, str):
+        raise RenderError(TEMPLATE_ERROR, f"apply_chat_template returned {type(text).__name__}, expected text")
+    return text
+
+
+def _ends_with_open_think(tokenizer: Any, ids: list[int], profile: FamilyProfile | None) -> bool:
+    """True when the prompt's last non-whitespace token is the think-start id (Qwen3/Kimi end with ``<think>``,
+    DeepSeek-R1 with ``<think>\n``), i.e. the output must contain exactly one think-end."""
+    if profile is None or profile.think_start_id is None:
+        return False
+    for tid in reversed(ids[-8:]):
+        if tid == profile.think_start_id:
+            return True
+        if tokenizer.decode([tid]).strip():
+            return False
+    return False
+
+
+def render_prompt(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    enable_thinking: bool | None = None,
+    max_prompt_tokens: int | None = None,
+    profile: FamilyProfile | None = None,
+) -> RenderedPrompt:
+    """Render prompt messages (ending with a user turn) to the prompt ids of one generation request.
+
+    Args:
+        tokenizer: the target's transformers tokenizer (with a chat template).
+        messages: OpenAI-style messages (eagle_assets.formats conventions); tool-call arguments as dicts.
+        tools: OpenAI tool schemas or None.
+        enable_thinking: passed to the template only when not None (Qwen3's switch; other templates ignore it).
+        max_prompt_tokens: reject longer prompts (None = no limit).
+        profile: the family profile, for the ``ends_with_think_start`` flag.
+    Returns:
+        RenderedPrompt.
+    Raises:
+        RenderError: ``template_error`` (no template, or it raised), ``missing_generation_prompt`` (the template
+        adds nothing for add_generation_prompt=True), ``tools_ignored`` (rendering with tools equals rendering
+        without: the model would never see them), ``control_token_in_text`` (a special-token string inside
+        user/tool/system content), ``double_bos``, ``prompt_too_long``.
+    """
+    t_hash = template_hash(tokenizer)
+    _check_control_tokens(tokenizer, messages)
+    kwargs: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    tools = tools or None
+    args_as_string = False
+    try:
+        try:
+            text = _apply(tokenizer, messages, tools, True, kwargs)
+        except (TypeError, ValueError) as first:
+            # Some templates (DeepSeek-V3) concatenate arguments as text; retry with JSON-string arguments.
+            if not any(m.get("tool_calls") for m in messages):
+                raise first
+            messages = _stringify_arguments(messages)
+            args_as_string = True
+            text = _apply(tokenizer, messages, tools, True, kwargs)
+        without_gen = _apply(tokenizer, messages, tools, False, kwargs)
+        without_tools = _apply(tokenizer, messages, None, True, kwargs) if tools else None
+    except RenderError:
+        raise
+    except Exception as e:  # jinja2 TemplateError, TypeError, KeyError from template code: all template problems
+        raise RenderError(TEMPLATE_ERROR, f"chat template failed: {type(e).__name__}: {e}") from None
+
+    if text == without_gen:
+        raise RenderError(MISSING_GENERATION_PROMPT, "add_generation_prompt=True does not append an assistant header; the model would continue the user turn")
+    if tools and without_tools == text:
+        names = [t.get("function", {}).get("name") for t in tools]
+        raise RenderError(TOOLS_IGNORED, f"the chat template renders the same text with and without tools {names[:5]}; the target would never see the tool definitions")
+
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+        raise RenderError(DOUBLE_BOS, f"the prompt starts with two BOS ids ({bos}); the template already writes BOS, so the text must not contain another one")
+    if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+        raise RenderError(PROMPT_TOO_LONG, f"{len(ids)} prompt tokens > max_prompt_tokens {max_prompt_tokens}")
+    flags = {
+        "bos": bool(ids) and bos is not None and ids[0] == bos,
+        "has_tools": bool(tools),
+        "enable_thinking": enable_thinking,
+        "ends_with_think_start": _ends_with_open_think(tokenizer, ids, profile),
+        "tool_arguments_as_string": args_as_string,
+        "generation_prompt": text[len(os.path.commonprefix([text, without_gen])):],
+    }
+    return RenderedPrompt(prompt_ids=ids, n_prompt_tokens=len(ids), template_hash=t_hash, flags=flags, text=text)

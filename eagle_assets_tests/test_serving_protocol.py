@@ -1,0 +1,166 @@
+"""SamplingParams and parse_reply against SGLang's /generate shapes, including the traps DESIGN.md section 4 lists."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle_assets.serving.protocol import FinishReason, ReplyError, SamplingParams, parse_reply
+
+PROMPT = [11, 12, 13, 14, 15]
+
+
+def reply(output_ids=(20, 21, 2), finish=None, **meta) -> dict:
+    out = list(output_ids)
+    meta_info = {
+        "id": "r1",
+        "finish_reason": finish if finish is not None else {"type": "stop", "matched": 2},
+        "prompt_tokens": len(PROMPT),
+        "completion_tokens": len(out),
+        "cached_tokens": 0,
+        "e2e_latency": 0.25,
+    }
+    meta_info.update(meta)
+    return {"text": "x", "output_ids": out, "meta_info": meta_info}
+
+
+def test_max_new_tokens_is_required_and_explains_sglang_default():
+    with pytest.raises(ValueError, match="silently caps a request without it at 128"):
+        SamplingParams()
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams.from_json({"temperature": 0})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
+        ({"stop_token_ids": "2"}, "stop_token_ids"),
+        ({"seed": 1.5}, "seed"),
+    ],
+)
+def test_sampling_params_reject_bad_values(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(max_new_tokens=8, **kwargs)
+
+
+def test_sampling_params_wire_format_uses_sglang_names():
+    sp = SamplingParams(max_new_tokens=64, temperature=0, top_k=-1, stop_token_ids=[7, 2], seed=5)
+    assert sp.stop_token_ids == (7, 2) and sp.greedy
+    assert sp.to_json() == {
+        "max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "skip_special_tokens": False,
+        "stop_token_ids": [7, 2], "sampling_seed": 5,
+    }
+    assert SamplingParams.from_json(sp.to_json()) == sp
+    assert SamplingParams.from_json({"max_new_tokens": 3, "seed": 9}).seed == 9
+    # SGLang's own defaults for a sparse dict
+    sparse = SamplingParams.from_json({"max_new_tokens": 3})
+    assert (sparse.temperature, sparse.top_p, sparse.top_k, sparse.skip_special_tokens) == (1.0, 1.0, -1, True)
+    assert not sparse.greedy
+    assert SamplingParams.from_json({}, default_max_new_tokens=128).max_new_tokens == 128
+    # keys at SGLang's defaults are accepted, other values are refused with the key named
+    assert SamplingParams.from_json({"max_new_tokens": 3, "n": 1, "stop": [], "repetition_penalty": 1.0})
+    with pytest.raises(ValueError, match=r"\['stop'\]"):
+        SamplingParams.from_json({"max_new_tokens": 3, "stop": ["</s>"]})
+    with pytest.raises(ValueError, match=r"\['no_stop_trim'\]"):
+        SamplingParams.from_json({"max_new_tokens": 3, "no_stop_trim": True})
+    with pytest.raises(ValueError, match="unknown sampling_params keys"):
+        SamplingParams.from_json({"max_new_tokens": 3, "max_tokens": 3})
+
+
+def test_parse_valid_stop_and_length_replies():
+    got = parse_reply(json.dumps(reply()).encode(), PROMPT, 100, max_new_tokens=8, rid="r1")
+    assert got.output_ids == [20, 21, 2] and got.completion_tokens == 3 and got.prompt_tokens == 5
+    assert got.finish_reason == FinishReason(type="stop", matched=2)
+    assert got.e2e_latency == 0.25 and got.cached_tokens == 0 and got.rid == "r1"
+    length = parse_reply(reply(finish={"type": "length", "length": 3}), PROMPT, 100, max_new_tokens=3)
+    assert length.finish_reason.type == "length" and length.finish_reason.length == 3
+    # a stop string match (FINISH_MATCHED_STR) is a stop without a token id
+    text_stop = parse_reply(reply(finish={"type": "stop", "matched": "</answer>"}), PROMPT, 100)
+    assert text_stop.finish_reason.matched == "</answer>"
+    # one-element list form of FINISH_MATCHED_TOKEN.matched
+    assert parse_reply(reply(finish={"type": "stop", "matched": [2]}), PROMPT, 100).finish_reason.matched == 2
+
+
+def _kind(obj, **kwargs) -> ReplyError:
+    with pytest.raises(ReplyError) as info:
+        parse_reply(obj, kwargs.pop("prompt", PROMPT), kwargs.pop("vocab", 100), **kwargs)
+    return info.value
+
+
+def test_truncated_and_non_object_bodies():
+    body = json.dumps(reply()).encode()
+    assert _kind(body[: len(body) // 2]).kind == "bad_json"
+    assert _kind(b"").kind == "bad_json"
+    assert _kind([reply()]).kind == "not_object"
+    err = _kind({"error": {"message": "The input (9000 tokens) is longer than the model's context length"}})
+    assert err.kind == "server_error" and "context length" in err.detail
+
+
+def test_missing_and_mistyped_fields():
+    no_meta = reply()
+    del no_meta["meta_info"]
+    assert _kind(no_meta).kind == "missing_field"
+    no_ids = reply()
+    del no_ids["output_ids"]
+    assert _kind(no_ids).kind == "missing_field"
+    no_ct = reply()
+    del no_ct["meta_info"]["completion_tokens"]
+    assert _kind(no_ct).kind == "missing_field"
+    assert _kind(reply(output_ids=[20, "21", 2])).kind == "bad_type"
+    assert _kind(reply(output_ids=[20, 21.0, 2])).kind == "bad_type"
+    assert _kind(reply(output_ids=[20, True, 2])).kind == "bad_type"
+    assert _kind(reply(completion_tokens="3")).kind == "bad_type"
+
+
+def test_ids_outside_the_vocab():
+    err = _kind(reply(output_ids=[20, 100, 2]))
+    assert err.kind == "id_out_of_vocab" and "output_ids[1] = 100" in err.detail
+    assert _kind(reply(output_ids=[-1, 2])).kind == "id_out_of_vocab"
+    assert parse_reply(reply(output_ids=[20, 100, 2]), PROMPT, None).output_ids[1] == 100  # no vocab: no range check
+
+
+def test_completion_tokens_disagreement_and_prompt_echo():
+    assert _kind(reply(completion_tokens=2)).kind == "length_mismatch"
+    assert _kind(reply(completion_tokens=4)).kind == "length_mismatch"
+    # an SGLang version returning the incremental-detokenization prompt tail before the completion
+    echoed = reply(output_ids=PROMPT[-3:] + [20, 21, 2])
+    echoed["meta_info"]["completion_tokens"] = 3
+    err = _kind(echoed)
+    assert err.kind == "prompt_echo" and "last 3 prompt ids" in err.detail
+    # the same extra ids that do NOT equal the prompt tail are just a mismatch
+    other = reply(output_ids=[90, 91, 92, 20, 21, 2])
+    other["meta_info"]["completion_tokens"] = 3
+    assert _kind(other).kind == "length_mismatch"
+
+
+def test_reply_that_belongs_to_another_request():
+    assert _kind(reply(prompt_tokens=6)).kind == "prompt_tokens_mismatch"
+    assert _kind(reply(), rid="r2").kind == "rid_mismatch"
+    assert _kind(reply(output_ids=[20, 21, 22, 2]), max_new_tokens=3).kind == "too_long"
+
+
+def test_finish_reason_checks():
+    assert _kind(reply(finish={"type": "eos"})).kind == "unknown_finish_reason"
+    none = reply()
+    none["meta_info"]["finish_reason"] = None
+    assert _kind(none).kind == "unknown_finish_reason"
+    err = _kind(reply(finish={"type": "stop", "matched": 7}))
+    assert err.kind == "stop_mismatch" and "last output id is 2" in err.detail
+    assert _kind(reply(finish={"type": "stop", "matched": "NaN happened"})).kind == "nan_output"
+
+
+def test_abort_is_retryable_unless_the_server_refused_the_request():
+    aborted = _kind(reply(output_ids=[], finish={"type": "abort", "message": "Abort before prefill"}))
+    assert aborted.kind == "abort" and aborted.retryable and "Abort before prefill" in aborted.detail
+    refused = _kind(reply(output_ids=[], finish={"type": "abort", "message": "too long", "status_code": 400,
+                                                  "err_type": "BadRequestError"}))
+    assert refused.kind == "abort" and not refused.retryable
+    assert _kind(reply(completion_tokens=9)).retryable  # validation failures may succeed on another attempt

@@ -1,0 +1,130 @@
+"""Launching server processes: ``launched_server`` and the Dagster ``SGLangServerResource`` (lazy start, teardown)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from eagle_assets.serving.client import GenerateClient
+from eagle_assets.serving.launch import launch_server, launched_server
+from eagle_assets.serving.protocol import GenerateReply, SamplingParams
+from eagle_assets.serving.resource import SGLangServerResource
+from eagle_assets.serving.tiny_model import write_tiny_causal_lm
+
+SP = SamplingParams(max_new_tokens=4, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_causal_lm(tmp_path_factory.mktemp("tiny") / "model", seed=3))
+
+
+def _gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (a zombie waiting for a reaper counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_launched_server_serves_and_stops(model_dir, tmp_path):
+    with launched_server(model_dir, log_dir=tmp_path, extra_args=["--max-batch-size", "4"]) as server:
+        assert server.url.startswith("http://127.0.0.1:") and server.alive()
+        reply = GenerateClient([server.url]).generate_all([("a", [7, 8, 9])], SP, vocab_size=126)[0]
+        assert isinstance(reply, GenerateReply) and reply.completion_tokens == 4
+        pid = server.process.pid
+        assert "--max-batch-size" in server.command
+    assert server.process.returncode == 0  # SIGTERM shuts it down cleanly
+    assert _gone(pid)
+    assert "EAGLE_ASSETS_SERVER_READY" in server.log_path.read_text()
+
+
+def test_launch_failure_quotes_the_log(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        launch_server(str(tmp_path / "no-such-model"), log_dir=tmp_path)
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    with pytest.raises(RuntimeError, match=r"exited with code \d+ before it was ready") as info:
+        launch_server(str(empty), log_dir=tmp_path / "logs", startup_timeout_s=120)
+    assert "empty-model" in str(info.value) and "last lines" in str(info.value)
+    assert list((tmp_path / "logs").glob("*.log"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
+def test_sglang_launch_without_sglang_says_what_to_do(model_dir, tmp_path):
+    with pytest.raises(RuntimeError, match="launch: embedded") as info:
+        launch_server(model_dir, launch="sglang", log_dir=tmp_path, startup_timeout_s=60)
+    assert "No module named" in str(info.value)
+
+
+def test_resource_connect_mode_and_config_errors():
+    assert SGLangServerResource(urls=["127.0.0.1:30000/", "http://h:2/generate"]).base_urls("ignored") == [
+        "http://127.0.0.1:30000", "http://h:2"]
+    with pytest.raises(ValueError, match="no urls and no model path"):
+        SGLangServerResource().base_urls()
+    with pytest.raises(ValueError, match="launch must be one of"):
+        SGLangServerResource(launch="vllm").base_urls("/some/model")
+
+
+def test_resource_launches_lazily_once_and_stops_at_teardown(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_RESOURCE_KEY", "k-123")
+    log_dir = tmp_path / "logs"
+
+    @dg.asset
+    def no_generation(sglang: SGLangServerResource) -> int:
+        return len(list(log_dir.glob("*.log"))) if log_dir.exists() else 0
+
+    @dg.asset(deps=[no_generation])
+    def generation(sglang: SGLangServerResource) -> dict:
+        urls = sglang.base_urls(model_dir)
+        assert sglang.base_urls(model_dir) == urls  # one server per resource instance
+        with pytest.raises(ValueError, match="one launched server serves one model"):
+            sglang.base_urls(model_dir + "-other")
+        unauthenticated = GenerateClient(urls, max_attempts=1).generate_all([("a", [7, 8])], SP)[0]
+        reply = GenerateClient(urls, api_key_env=sglang.api_key_env).generate_all([("a", [7, 8])], SP)[0]
+        return {"urls": urls, "pid": sglang.launched.process.pid, "reply": reply, "denied": unauthenticated.kind}
+
+    resource = SGLangServerResource(api_key_env="EAGLE_RESOURCE_KEY", log_dir=str(log_dir), startup_timeout_s=120)
+    result = dg.materialize([no_generation, generation], resources={"sglang": resource})
+    assert result.success
+    assert result.output_for_node("no_generation") == 0  # setup did not launch anything
+    out = result.output_for_node("generation")
+    assert isinstance(out["reply"], GenerateReply) and out["reply"].completion_tokens == 4
+    assert out["denied"] == "unauthorized"  # the launched server requires the key from api_key_env
+    assert len(list(log_dir.glob("*.log"))) == 1
+    assert _gone(out["pid"])  # teardown_after_execution stopped it
+
+
+def test_embedded_server_exits_when_its_launcher_is_killed(model_dir, tmp_path):
+    code = (
+        "import sys, time\n"
+        "from eagle_assets.serving.launch import launch_server\n"
+        f"s = launch_server({model_dir!r}, log_dir={str(tmp_path)!r})\n"
+        "print(s.process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(launcher.stdout.readline())
+        assert not _gone(server_pid)
+        launcher.send_signal(signal.SIGKILL)  # no teardown, no atexit
+        launcher.wait(10)
+        deadline = time.monotonic() + 15
+        while not _gone(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _gone(server_pid)
+    finally:
+        launcher.kill()
+        launcher.wait(10)
