@@ -1,26 +1,34 @@
 """Resumable, exactly-once generation of one partition against SGLang ``/generate`` servers.
 
 Results are buffered and flushed to a new shard (``shard-NNNNN.parquet``, atomic temp file + rename) every
-``flush_rows`` rows or ``flush_seconds`` seconds. On start, the sample ids already in shards are read back and
-skipped, so a killed run loses at most the unflushed buffer and never writes an id twice. Requests that still fail
+``flush_rows`` rows, and at least every ``flush_seconds`` seconds by a timer (not only when a reply arrives). On
+start, the sample ids already in shards are read back and skipped, so a killed run loses at most the unflushed
+buffer and never writes an id twice. Only validated replies (``parse_reply``) reach a shard. Requests that still fail
 after the client's retries go to ``failures.parquet`` (sample id, kind, attempts, last error) and are retried by the
-next materialization.
+next materialization; a partition whose every prompt is in a shard sends no request at all.
+
+Exactly-once needs one writer per partition directory: ``run_generation`` holds an exclusive ``flock`` on
+``<out_dir>/.generation.lock`` while it runs (the kernel drops it when the process dies, SIGKILL included) and
+refuses to start when another process holds it. Temp files left by a killed writer are removed on start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_assets.storage import next_shard_path, read_done_ids, write_parquet_atomic
+from eagle_assets.storage import clear_shards, next_shard_path, read_done_ids, write_parquet_atomic
 
 GENERATION_SCHEMA = pa.schema(
     [
@@ -39,12 +47,22 @@ FAILURE_SCHEMA = pa.schema(
     [("sample_id", pa.string()), ("kind", pa.string()), ("attempts", pa.int32()), ("last_error", pa.string())]
 )
 FAILURES_FILE = "failures.parquet"
+LOCK_FILE = ".generation.lock"
 
 
 @dataclass
 class GenerationStats:
-    """What one generation run did. Units: seconds, requests/s, tokens/s."""
+    """What one generation run did. Units: seconds, requests/s, tokens/s.
 
+    Attributes:
+        prompts: distinct sample ids given; requested: those not yet in a shard (sent to the client);
+        skipped_done: those already in a shard; succeeded / failed: results of this run;
+        retried: HTTP attempts beyond the first, over all results; finish_reasons / failure_kinds: counts;
+        output_tokens: ids in succeeded replies; latencies_s: client seconds per succeeded request (retries
+        included); wall_s: run time; shards_written: new shard files.
+    """
+
+    prompts: int = 0
     requested: int = 0
     skipped_done: int = 0
     succeeded: int = 0
@@ -66,6 +84,7 @@ class GenerationStats:
 
         wall = max(self.wall_s, 1e-9)
         return {
+            "prompts": self.prompts,
             "requested": self.requested,
             "skipped_done": self.skipped_done,
             "succeeded": self.succeeded,
@@ -80,6 +99,38 @@ class GenerationStats:
             "wall_s": round(self.wall_s, 2),
             "shards_written": self.shards_written,
         }
+
+
+class PartitionBusyError(RuntimeError):
+    """Another process is generating into the same partition directory."""
+
+
+@contextlib.contextmanager
+def _exclusive(out_dir: Path) -> Iterator[None]:
+    fd = os.open(out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PartitionBusyError(
+                f"another process is generating into {out_dir} (it holds {out_dir / LOCK_FILE}); two writers would "
+                "send every prompt twice and could write the same sample id to two shards. Wait for it to finish, "
+                "or stop it: the lock is released as soon as that process exits, even when it is killed"
+            ) from None
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+def _remove_stale_temp_files(out_dir: Path) -> int:
+    # write_parquet_atomic's temp names are ".<final name>.<random>.tmp"; a SIGKILL between write and rename
+    # leaves one behind. Safe to delete while we hold the partition lock.
+    removed = 0
+    for p in out_dir.iterdir():
+        if p.name.startswith(".") and p.name.endswith(".tmp") and p.is_file():
+            p.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 def _read_failures(path: Path) -> list[dict]:
@@ -97,59 +148,96 @@ def run_generation(
     flush_seconds: float = 10.0,
     progress: Callable[[str], None] | None = None,
     progress_every_s: float = 5.0,
+    regenerate: bool = False,
 ) -> GenerationStats:
     """Generate every prompt not yet in ``out_dir``'s shards; append new shards; rewrite ``failures.parquet``.
 
     Args:
-        prompts: (sample_id, prompt_ids) pairs; ids are ints of the target vocab.
-        out_dir: the partition's generations directory.
+        prompts: (sample_id, prompt_ids) pairs; ids are ints of the target vocab; a repeated sample id is sent once.
+        out_dir: the partition's generations directory (created if missing).
         client: an ``eagle_assets.serving.client.GenerateClient`` (or anything with the same ``generate_many``).
         sampling: ``SamplingParams`` with an explicit ``max_new_tokens``.
         vocab_size: target vocab size, for validating ``output_ids`` (None skips the range check).
-        flush_rows / flush_seconds: shard size and time bound on unflushed work (what a SIGKILL can lose).
-        progress: called with a one-line progress message at most every ``progress_every_s`` seconds.
+        flush_rows / flush_seconds: shard size, and the time bound on unflushed work (what a SIGKILL can lose).
+        progress: called with a one-line progress message at most every ``progress_every_s`` seconds (a timer,
+            never per request), and once with the totals at the end.
+        regenerate: delete the existing shards and failures first (under the partition lock) and generate all.
     Returns: ``GenerationStats``.
+    Raises:
+        PartitionBusyError: another process is generating into ``out_dir``.
+        Whatever ``progress`` or the client raise (the rows already received are flushed first).
+    Files: ``shard-NNNNN.parquet`` (``GENERATION_SCHEMA``), ``failures.parquet`` (``FAILURE_SCHEMA``): the ids of
+    ``prompts`` that have no row, with the kind of their last failure; rows of other ids are dropped from it.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(out_dir):
+        _remove_stale_temp_files(out_dir)
+        if regenerate:
+            clear_shards(out_dir, extra=[FAILURES_FILE])
+        return _run_locked(prompts, out_dir, client, sampling, vocab_size, flush_rows, flush_seconds, progress,
+                           progress_every_s)
+
+
+def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows, flush_seconds, progress,
+                progress_every_s) -> GenerationStats:
+    from eagle_assets.serving.client import run_sync
+
     done = read_done_ids(out_dir)
     todo, seen = [], set()
     for sid, ids in prompts:
-        if sid in done or sid in seen:
+        if sid in seen:
             continue
         seen.add(sid)
-        todo.append((sid, list(ids)))
-    stats = GenerationStats(requested=len(todo), skipped_done=len(done & {s for s, _ in prompts}))
+        if sid not in done:
+            todo.append((sid, list(ids)))
+    stats = GenerationStats(prompts=len(seen), requested=len(todo), skipped_done=len(seen) - len(todo))
     old_failures = [f for f in _read_failures(out_dir / FAILURES_FILE) if f["sample_id"] not in done]
     new_failures: dict[str, dict] = {}
     buffer: list[dict] = []
-    last_flush = time.monotonic()
-    last_progress = [time.monotonic()]
     sampling_json = json.dumps(sampling.to_json() if hasattr(sampling, "to_json") else dict(sampling), sort_keys=True)
     started = time.monotonic()
+    last_flush = started
 
     def flush() -> None:
         nonlocal buffer, last_flush
         if buffer:
-            write_parquet_atomic(pa.Table.from_pylist(buffer, schema=GENERATION_SCHEMA), next_shard_path(out_dir))
+            rows, buffer = buffer, []
+            write_parquet_atomic(pa.Table.from_pylist(rows, schema=GENERATION_SCHEMA), next_shard_path(out_dir))
             stats.shards_written += 1
-            buffer = []
         last_flush = time.monotonic()
 
+    def report(final: bool = False) -> None:
+        if progress is None:
+            return
+        finished = stats.succeeded + stats.failed
+        elapsed = max(time.monotonic() - started, 1e-9)
+        rate = finished / elapsed
+        head = "generation finished" if final else "generated"
+        eta = ""
+        if not final and rate > 0 and finished < stats.requested:
+            eta = f", ~{(stats.requested - finished) / rate:.0f} s left"
+        progress(
+            f"{head} {finished}/{stats.requested} requested ({stats.skipped_done} already done; failed "
+            f"{stats.failed}, retried {stats.retried}; {rate:.2f} req/s, {stats.output_tokens / elapsed:.0f} "
+            f"output tokens/s{eta})"
+        )
+
     def on_result(rid: str, result) -> None:
-        attempts = int(getattr(result, "attempts", 1) or 1)
+        attempts = int(getattr(result, "attempts", 1) or 0)
         stats.retried += max(0, attempts - 1)
         if hasattr(result, "output_ids"):
             fr = result.finish_reason
+            latency = float(getattr(result, "latency_s", None) or result.e2e_latency or 0.0)
             buffer.append(
                 {
                     "sample_id": rid,
-                    "output_ids": list(result.output_ids),
+                    "output_ids": result.output_ids,
                     "finish_reason": fr.type,
                     "matched_stop": fr.matched if isinstance(fr.matched, int) else None,
                     "completion_tokens": result.completion_tokens,
                     "prompt_tokens": result.prompt_tokens,
-                    "latency_s": float(getattr(result, "latency_s", None) or result.e2e_latency or 0.0),
+                    "latency_s": latency,
                     "attempts": attempts,
                     "sampling_params": sampling_json,
                 }
@@ -157,7 +245,7 @@ def run_generation(
             stats.succeeded += 1
             stats.finish_reasons[fr.type] += 1
             stats.output_tokens += len(result.output_ids)
-            stats.latencies_s.append(buffer[-1]["latency_s"])
+            stats.latencies_s.append(latency)
             new_failures.pop(rid, None)
         else:
             stats.failed += 1
@@ -168,26 +256,41 @@ def run_generation(
                 "attempts": attempts,
                 "last_error": str(result.last_error)[:2000],
             }
-        now = time.monotonic()
-        if len(buffer) >= flush_rows or now - last_flush >= flush_seconds:
+        if len(buffer) >= flush_rows:
             flush()
-        if progress is not None and now - last_progress[0] >= progress_every_s:
-            last_progress[0] = now
-            finished = stats.succeeded + stats.failed
-            progress(
-                f"generated {finished}/{stats.requested} (failed {stats.failed}, retried {stats.retried}, "
-                f"{finished / max(now - started, 1e-9):.2f} req/s)"
-            )
+
+    async def generate() -> None:
+        async def timer() -> None:
+            # flushes a partial buffer and reports progress even while no reply arrives (long generations)
+            tick = max(0.05, min(flush_seconds, progress_every_s) / 4)
+            last_report = time.monotonic()
+            while True:
+                await asyncio.sleep(tick)
+                now = time.monotonic()
+                if buffer and now - last_flush >= flush_seconds:
+                    flush()
+                if now - last_report >= progress_every_s:
+                    last_report = now
+                    report()
+
+        ticker = asyncio.ensure_future(timer())
+        try:
+            await client.generate_many(todo, sampling, vocab_size=vocab_size, on_result=on_result)
+        finally:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
 
     try:
         if todo:
-            asyncio.run(client.generate_many(todo, sampling, vocab_size=vocab_size, on_result=on_result))
+            run_sync(generate())
     finally:
         flush()
         stats.wall_s = time.monotonic() - started
         done_now = read_done_ids(out_dir)
-        merged = {f["sample_id"]: f for f in old_failures if f["sample_id"] not in done_now}
+        merged = {f["sample_id"]: f for f in old_failures if f["sample_id"] in seen and f["sample_id"] not in done_now}
         merged.update({k: v for k, v in new_failures.items() if k not in done_now})
         write_parquet_atomic(pa.Table.from_pylist(list(merged.values()), schema=FAILURE_SCHEMA),
                              out_dir / FAILURES_FILE)
+    report(final=True)
     return stats

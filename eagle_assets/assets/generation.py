@@ -8,9 +8,8 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
-from eagle_assets.generation import FAILURES_FILE, run_generation
+from eagle_assets.generation import FAILURES_FILE, PartitionBusyError, run_generation
 from eagle_assets.serving.resource import SGLangServerResource
-from eagle_assets.storage import clear_shards
 
 
 class GenerationRunConfig(dg.Config):
@@ -56,8 +55,7 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         layout = settings.layout()
         out = layout.stage_dir("generations", key)
         if config.regenerate:
-            context.log.info(f"regenerate=True: removing existing shards of {key}")
-            clear_shards(out, extra=[FAILURES_FILE])
+            context.log.info(f"regenerate=True: existing shards of {key} are removed and generated again")
         table = pq.read_table(layout.stage_dir("tokenized_prompts", key) / "prompts.parquet",
                               columns=["sample_id", "prompt_ids"])
         prompts = list(zip(table.column("sample_id").to_pylist(), table.column("prompt_ids").to_pylist()))
@@ -73,16 +71,24 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
             skip_special_tokens=False,
         )
         urls = sglang.base_urls(str(model_dir))
-        context.log.info(f"generating {len(prompts)} prompts of {key} against {urls}")
         client = GenerateClient(
             urls,
             concurrency_per_server=catalog.server.concurrency,
             timeout_s=catalog.server.timeout_s,
             api_key_env=sglang.api_key_env,
         )
-        stats = run_generation(
-            prompts, out, client, sampling, _target_vocab_size(model_dir), progress=context.log.info
-        )
+        shown_urls = [client.redact(u) for u in urls]
+        context.log.info(f"generating {len(prompts)} prompts of {key} against {shown_urls}")
+        try:
+            stats = run_generation(
+                prompts, out, client, sampling, _target_vocab_size(model_dir), progress=context.log.info,
+                regenerate=config.regenerate,
+            )
+        except PartitionBusyError as exc:
+            raise dg.Failure(
+                description=f"{exc}. Another run is generating partition {key}; wait for it or cancel it.",
+                allow_retries=False,
+            ) from exc
         summary = stats.summary()
         if stats.failed:
             context.log.warning(f"{stats.failed} requests failed after retries; see {out / FAILURES_FILE}")
@@ -91,7 +97,7 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
                 "dagster/row_count": stats.succeeded + stats.skipped_done,
                 **{k: (dg.MetadataValue.json(v) if isinstance(v, dict) else v) for k, v in summary.items()},
                 "max_new_tokens": s.max_new_tokens,
-                "servers": dg.MetadataValue.json(urls),
+                "servers": dg.MetadataValue.json(shown_urls),
                 "path": dg.MetadataValue.path(str(out)),
             }
         )

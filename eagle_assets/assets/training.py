@@ -104,7 +104,7 @@ def build_training_assets() -> list:
         from eagle_assets.drafter.acceptance import simulate_acceptance
         from eagle_assets.drafter.export import CheckpointError, load_drafter, validate_checkpoint
         from eagle_assets.drafter.train import TrainConfig, train_drafter
-        from eagle_assets.drafter.vocab import DraftVocab
+        from eagle_assets.drafter.vocab import draft_vocab_from_arrays
         from eagle_assets.quality.plots import png_markdown
         from transformers import AutoModelForCausalLM
 
@@ -112,8 +112,8 @@ def build_training_assets() -> list:
         t = catalog.training
         keys = json.loads((settings.layout().base / "draft_vocab" / "summary.json").read_text())["partitions"]
         vocab_dir = settings.layout().base / "draft_vocab"
-        vocab = DraftVocab(d2t=np.load(vocab_dir / "d2t.npy"), t2d=np.load(vocab_dir / "t2d.npy"),
-                           counts=np.load(vocab_dir / "token_counts.npy"))
+        vocab = draft_vocab_from_arrays(np.load(vocab_dir / "d2t.npy"), np.load(vocab_dir / "t2d.npy"),
+                                        np.load(vocab_dir / "token_counts.npy"))
         rows = load_training_rows(settings, keys, holdout=False)
         held = load_training_rows(settings, keys, holdout=True)
         model_dir = target.resolve()
@@ -122,10 +122,10 @@ def build_training_assets() -> list:
                              ttt_steps=t.ttt_steps, seed=t.seed, aux_layer_ids=t.aux_layer_ids)
         context.log.info(f"training on {len(rows)} rows of {keys}; {len(held)} held out")
         result = train_drafter(model_dir, [(ids, mask) for _s, ids, mask, _k in rows], vocab, config,
-                               out / "checkpoint", log=context.log.info)
+                               out / "checkpoint", log=_bounded_log(context.log.info))
         ckpt = Path(result.checkpoint_dir)
-        losses = [m["loss"] for m in result.metrics]
-        write_json_atomic({"metrics": result.metrics}, out / "training_metrics.json")
+        losses = [s.loss for s in result.steps]
+        write_json_atomic(result.to_dict(), out / "training_metrics.json")
         png = _loss_png(losses)
         (out / "loss.png").write_bytes(png)
         first, last = float(np.mean(losses[: max(1, len(losses) // 10)])), float(np.mean(losses[-max(1, len(losses) // 10):]))
@@ -134,6 +134,9 @@ def build_training_assets() -> list:
             "train_rows": len(rows),
             "heldout_rows": len(held),
             "steps": len(losses),
+            "tokens_per_s": round(result.tokens_per_s, 1),
+            "train_seconds": round(result.train_seconds, 1),
+            "rows_skipped": dg.MetadataValue.json(result.skip_reasons),
             "loss_first_10pct": first,
             "loss_last_10pct": last,
             "loss_curve": dg.MetadataValue.md(png_markdown(png, "training loss")),
@@ -147,7 +150,7 @@ def build_training_assets() -> list:
             yield dg.AssetCheckResult(check_name="export_contract", passed=False,
                                       severity=dg.AssetCheckSeverity.ERROR, description=str(exc))
         target_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
-        drafter = load_drafter(ckpt, target_model)
+        drafter, _ = load_drafter(ckpt, target_model)
         per_partition, taus = {}, []
         for key in keys:
             part_rows = [(ids, mask) for _s, ids, mask, k in held if k == key] or \
@@ -170,6 +173,21 @@ def build_training_assets() -> list:
         )
 
     return [draft_vocab, drafter_checkpoint]
+
+
+def _bounded_log(log, every_s: float = 5.0):
+    """Wrap ``log`` so per-step training lines reach the Dagster log at most every ``every_s`` seconds."""
+    import time
+
+    last = [0.0]
+
+    def emit(line: str) -> None:
+        now = time.monotonic()
+        if now - last[0] >= every_s or not line.startswith("step"):
+            last[0] = now
+            log(line)
+
+    return emit
 
 
 def _jsonable(obj):

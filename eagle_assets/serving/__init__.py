@@ -8,6 +8,8 @@
 - ``launch``: ``launched_server``, start a server process (ours or ``sglang.launch_server``) and wait until ready.
 - ``resource``: ``SGLangServerResource``, the only Dagster-aware module here.
 - ``tiny_model``: ``write_tiny_causal_lm``, a random tiny Qwen3 + tokenizer for serving tests and benchmarks.
+- ``stub_server``: a model-free ``/generate`` with deterministic replies and scripted faults (client benchmarks,
+  fault drills, kill tests).
 
 Submodules are imported on demand so that importing the package does not import torch or aiohttp.
 """

@@ -13,11 +13,12 @@ Endpoints (shapes from sgl-project/sglang ``python/sglang/srt/entrypoints/http_s
   prompt at or over the context length is refused, and ``max_new_tokens`` is capped to the context left.
   ``stream: true`` is refused (400). A failed forward or a shutdown answers HTTP 200 with an ``abort`` reason.
 - ``GET /health``, ``GET /health_generate``: 200 with an empty body while the decode thread is alive, else 503.
-- ``GET /get_model_info``: ``{"model_path", "tokenizer_path", "is_generation": true, "preferred_sampling_params",
-  "weight_version"}`` as SGLang, plus ``vocab_size``, ``context_length``, ``eos_token_ids``, ``dtype``,
-  ``max_batch_size``.
-- ``GET /get_server_info``: the model info plus ``engine`` (``EngineStats``: forward calls, prefill and decode
-  batches, mean decode batch) and ``running``/``queued`` counts: the batching counters tests assert on.
+- ``GET /get_model_info`` (alias ``/model_info``, the newer name): ``{"model_path", "tokenizer_path",
+  "is_generation": true, "preferred_sampling_params", "weight_version"}`` as SGLang, plus ``vocab_size``,
+  ``context_length``, ``eos_token_ids``, ``dtype``, ``max_batch_size``.
+- ``GET /get_server_info`` (alias ``/server_info``): the model info plus ``engine`` (``EngineStats``: forward calls,
+  prefill and decode batches, mean decode batch) and ``running``/``queued`` counts: the batching counters tests
+  assert on. ``sglang-router`` reads these two endpoints when it registers a worker.
 - ``GET|POST /flush_cache``: no-op 200 (there is no prefix cache), for tools that call it.
 
 API key: with ``api_key`` set every path except ``/health*`` needs ``Authorization: Bearer <key>``, else HTTP 401
@@ -336,8 +337,11 @@ class ModelServer:
         app.router.add_put("/generate", self._handle_generate)
         app.router.add_get("/health", self._handle_health)
         app.router.add_get("/health_generate", self._handle_health)
-        app.router.add_get("/get_model_info", self._handle_model_info)
-        app.router.add_get("/get_server_info", self._handle_server_info)
+        # newer SGLang (and sglang-router's worker discovery) use /model_info and /server_info; both names work
+        for path in ("/get_model_info", "/model_info"):
+            app.router.add_get(path, self._handle_model_info)
+        for path in ("/get_server_info", "/server_info"):
+            app.router.add_get(path, self._handle_server_info)
         app.router.add_route("*", "/flush_cache", self._handle_flush_cache)
         return app
 

@@ -1,0 +1,38 @@
+"""The optional nightly re-training schedule (STOPPED by default; turn it on in the UI or with
+``dagster schedule start nightly_training_schedule``)."""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from eagle_assets.assets.qc import passing_partitions
+from eagle_assets.assets.resources import PipelineSettings
+from eagle_assets.assets.sensors import TRIGGER_TAG
+from eagle_assets.catalog import CatalogError
+
+NIGHTLY_SCHEDULE = "nightly_training_schedule"
+NIGHTLY_CRON = "0 3 * * *"
+
+
+@dg.schedule(
+    name=NIGHTLY_SCHEDULE,
+    cron_schedule=NIGHTLY_CRON,
+    execution_timezone="UTC",
+    job_name="training_job",
+    default_status=dg.DefaultScheduleStatus.STOPPED,
+    description="Re-trains the drafter at 03:00 UTC from every partition whose latest QC passed.",
+)
+def nightly_training_schedule(context: dg.ScheduleEvaluationContext, settings: PipelineSettings):
+    """A training run every night, skipped (with the reason) while no partition has passing QC shards."""
+    try:
+        keys, excluded = passing_partitions(settings)
+    except CatalogError as exc:
+        return dg.SkipReason(f"the catalog is invalid, nothing launched: {exc}")
+    if not keys:
+        return dg.SkipReason(f"no partition has passing QC shards yet: {excluded}")
+    return dg.RunRequest(tags={TRIGGER_TAG: "nightly", "eagle_assets/partitions": ",".join(keys)[:1000]})
+
+
+def build_schedules() -> list[dg.ScheduleDefinition]:
+    """Schedules of a catalog's Definitions."""
+    return [nightly_training_schedule]

@@ -1,0 +1,333 @@
+"""A model-free server speaking SGLang's native ``/generate``, with deterministic replies and faults on demand.
+
+What it is for: measuring the client (no model cost hides client overhead), fault drills (a real HTTP server that
+misbehaves on purpose), and kill/resume tests that need thousands of cheap replies. It is never a target model.
+
+Replies (same shape as SGLang's, see ``eagle_assets.serving.protocol``): ``output_ids`` are a pure function of
+``input_ids`` and the sampling params (``stub_output_ids``), so a rerun, a retry or a resumed run gets the same ids;
+``meta_info`` carries ``id`` (= ``rid``), ``finish_reason``, ``prompt_tokens``, ``completion_tokens``,
+``cached_tokens`` 0 and ``e2e_latency``. With ``output_tokens`` set every reply has exactly that many ids and
+finishes by ``length`` (the benchmark's fixed 1,000-token outputs; the encoded ids are built once and reused).
+
+Faults: an in-process ``StubServer`` takes ``fault(rid, attempt, body) -> action | None``; actions (``FAULTS``):
+``http_500``, ``http_503`` (with ``Retry-After: 0``), ``http_429``, ``http_400``, ``abort`` (HTTP 200 with
+``finish_reason`` abort, as SGLang sends it), ``truncated`` (half a JSON body), ``ct_mismatch``
+(``completion_tokens`` one more than the ids), ``echo`` (the prompt's last 3 ids in front of ``output_ids``, the
+SGLang incremental-detokenization bug), ``oov`` (an id outside the vocab), ``drop`` (close the connection without
+an answer), ``reset`` (TCP RST: ``SO_LINGER`` 0 then close), ``hang`` (answer after ``hang_s``, past a client
+timeout), ``echo_auth`` (HTTP 500 whose body quotes the request's ``Authorization`` header, as careless proxies do).
+
+CLI (benchmarks; prints ``EAGLE_ASSETS_SERVER_READY http://HOST:PORT`` once it serves):
+``python -m eagle_assets.serving.stub_server [--port 0] [--latency-ms 0] [--output-tokens N] [--vocab-size V]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+import zlib
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+from aiohttp import web
+
+from eagle_assets.serving.launch import READY_PREFIX
+
+FAULTS = ("http_500", "http_503", "http_429", "http_400", "abort", "truncated", "ct_mismatch", "echo", "oov", "drop",
+          "reset", "hang", "echo_auth")
+FaultFn = Callable[[str, int, dict], "str | None"]
+# ids below this are left to special tokens so stub replies never contain a stop id by accident
+FIRST_ORDINARY_ID = 8
+
+
+def stub_output_ids(
+    input_ids: Sequence[int],
+    max_new_tokens: int,
+    vocab_size: int,
+    stop_token_ids: Sequence[int] = (),
+    output_tokens: int | None = None,
+) -> tuple[list[int], dict[str, Any]]:
+    """The stub's reply ids for a prompt: deterministic in (input_ids, max_new_tokens, vocab, stop ids).
+
+    Args:
+        input_ids: prompt ids (ints).
+        max_new_tokens: the request's cap (>= 1).
+        vocab_size: ids are drawn from ``[FIRST_ORDINARY_ID, vocab_size)``.
+        stop_token_ids: when non-empty and the drawn length is under the cap, the first stop id ends the reply
+            (kept in ``output_ids``, as SGLang does) and the finish reason is ``stop``.
+        output_tokens: fixed reply length (capped to ``max_new_tokens``); finish reason ``length``.
+    Returns:
+        (output_ids, finish_reason dict in SGLang's ``to_json`` form).
+    """
+    seed = zlib.crc32(array("q", input_ids).tobytes()) ^ (max_new_tokens * 0x9E3779B1)
+    span = max(1, vocab_size - FIRST_ORDINARY_ID)
+    if output_tokens is not None:
+        n = min(output_tokens, max_new_tokens)
+        return ([FIRST_ORDINARY_ID + (seed + 7919 * i) % span for i in range(n)],
+                {"type": "length", "length": max_new_tokens})
+    n = 1 + seed % max_new_tokens
+    ids = [FIRST_ORDINARY_ID + (seed * 31 + 7919 * i) % span for i in range(n)]
+    if stop_token_ids and n < max_new_tokens:
+        ids[-1] = int(stop_token_ids[0])
+        return ids, {"type": "stop", "matched": int(stop_token_ids[0])}
+    return ids, {"type": "length", "length": max_new_tokens}
+
+
+@dataclass
+class StubStats:
+    """Counters of a running stub: requests in all, requests per rid, faults served by action."""
+
+    requests: int = 0
+    per_rid: Counter = field(default_factory=Counter)
+    faults: Counter = field(default_factory=Counter)
+
+
+class StubServer:
+    """The stub's aiohttp application and its state.
+
+    Args:
+        vocab_size: vocab the ids come from (also reported by ``/get_model_info``).
+        latency_s: seconds each reply waits before it is sent (an ``asyncio.sleep``: no CPU).
+        output_tokens: fixed reply length (see ``stub_output_ids``); None = a length derived from the prompt.
+        fault: ``fault(rid, attempt, body) -> action | None`` (attempt counts from 1 per rid); None = always good.
+        hang_s: how long the ``hang`` action waits.
+        on_request: ``on_request(n)`` called with the running request count before anything else (kill tests
+            use it to SIGKILL a client at an exact point).
+        keep_bodies: keep every parsed request body in ``bodies`` (tests of the request shape).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        latency_s: float = 0.0,
+        output_tokens: int | None = None,
+        fault: FaultFn | None = None,
+        hang_s: float = 30.0,
+        on_request: Callable[[int], None] | None = None,
+        keep_bodies: bool = False,
+    ):
+        self.vocab_size = int(vocab_size)
+        self.latency_s = float(latency_s)
+        self.output_tokens = output_tokens
+        self.fault = fault
+        self.hang_s = float(hang_s)
+        self.on_request = on_request
+        self.keep_bodies = keep_bodies
+        self.bodies: list[dict] = []
+        self.stats = StubStats()
+        self._fixed_cache: dict[int, bytes] = {}
+
+    # the common case (fixed length, no fault) is assembled from cached bytes: the stub must outrun the client
+    def _fixed_ids_bytes(self, max_new_tokens: int) -> bytes:
+        hit = self._fixed_cache.get(max_new_tokens)
+        if hit is None:
+            ids, _ = stub_output_ids([0], max_new_tokens, self.vocab_size, (), self.output_tokens)
+            hit = json.dumps(ids, separators=(",", ":")).encode()
+            self._fixed_cache[max_new_tokens] = hit
+        return hit
+
+    def reply(self, body: dict, started: float) -> dict:
+        """The good reply dict for a request body."""
+        sp = body.get("sampling_params") or {}
+        max_new = int(sp.get("max_new_tokens", 128))
+        ids, finish = stub_output_ids(body["input_ids"], max_new, self.vocab_size, sp.get("stop_token_ids") or (),
+                                      self.output_tokens)
+        return {"text": "", "output_ids": ids, "meta_info": {
+            "id": body.get("rid"), "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
+            "completion_tokens": len(ids), "cached_tokens": 0, "e2e_latency": round(time.monotonic() - started, 6)}}
+
+    async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
+        self.stats.requests += 1
+        if self.on_request is not None:
+            self.on_request(self.stats.requests)
+        try:
+            body = json.loads(await request.read())
+            ids = body["input_ids"]
+            if not isinstance(ids, list) or not ids or not isinstance(ids[0], int):
+                raise ValueError("input_ids must be one non-empty list of ints (the stub takes no batches)")
+        except (ValueError, KeyError, TypeError) as exc:
+            return web.json_response({"error": {"message": f"bad request: {exc}"}}, status=400)
+        rid = str(body.get("rid"))
+        if self.keep_bodies:
+            self.bodies.append(body)
+        self.stats.per_rid[rid] += 1
+        action = self.fault(rid, self.stats.per_rid[rid], body) if self.fault is not None else None
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        if action is None:
+            if self.output_tokens is not None:
+                sp = body.get("sampling_params") or {}
+                max_new = int(sp.get("max_new_tokens", 128))
+                ids_bytes = self._fixed_ids_bytes(max_new)
+                n = min(self.output_tokens, max_new)
+                raw = b"".join((
+                    b'{"text":"","output_ids":', ids_bytes, b',"meta_info":{"id":',
+                    json.dumps(body.get("rid")).encode(),
+                    b',"finish_reason":{"type":"length","length":', str(max_new).encode(), b'},"prompt_tokens":',
+                    str(len(ids)).encode(), b',"completion_tokens":', str(n).encode(),
+                    b',"cached_tokens":0,"e2e_latency":', f"{time.monotonic() - started:.6f}".encode(), b"}}",
+                ))
+                return web.Response(body=raw, content_type="application/json")
+            return web.json_response(self.reply(body, started))
+        self.stats.faults[action] += 1
+        return await self._misbehave(action, request, body, started)
+
+    async def _misbehave(self, action: str, request: web.Request, body: dict, started: float) -> web.StreamResponse:
+        good = self.reply(body, started)
+        meta = good["meta_info"]
+        if action == "http_500":
+            return web.Response(status=500, text="Internal Server Error")
+        if action == "http_503":
+            return web.Response(status=503, text="server overloaded", headers={"Retry-After": "0"})
+        if action == "http_429":
+            return web.Response(status=429, text="too many requests", headers={"Retry-After": "0"})
+        if action == "http_400":
+            return web.json_response({"error": {"message": "The input is invalid"}}, status=400)
+        if action == "abort":
+            good["output_ids"], meta["completion_tokens"] = [], 0
+            meta["finish_reason"] = {"type": "abort", "message": "Abort in waiting queue", "status_code": 503}
+            return web.json_response(good)
+        if action == "truncated":
+            raw = json.dumps(good).encode()
+            return web.Response(body=raw[: len(raw) // 2], content_type="application/json")
+        if action == "ct_mismatch":
+            meta["completion_tokens"] += 1
+            return web.json_response(good)
+        if action == "echo":
+            good["output_ids"] = list(body["input_ids"][-3:]) + good["output_ids"]
+            return web.json_response(good)
+        if action == "oov":
+            good["output_ids"][0] = self.vocab_size + 3
+            return web.json_response(good)
+        if action in ("drop", "reset"):
+            transport = request.transport
+            if transport is not None:
+                sock = transport.get_extra_info("socket")
+                if action == "reset" and sock is not None:
+                    # SO_LINGER with a zero timeout makes close() send RST instead of FIN
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                transport.close()
+            return web.Response()
+        if action == "hang":
+            await asyncio.sleep(self.hang_s)
+            return web.json_response(good)
+        if action == "echo_auth":
+            return web.Response(status=500, text=f"upstream failed for headers {dict(request.headers)}")
+        raise ValueError(f"unknown stub fault {action!r}; known: {FAULTS}")
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def handle_model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "stub", "tokenizer_path": "stub", "is_generation": True,
+                                  "vocab_size": self.vocab_size})
+
+    async def handle_server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "stub", "vocab_size": self.vocab_size,
+                                  "requests": self.stats.requests, "faults": dict(self.stats.faults)})
+
+    def build_app(self) -> web.Application:
+        """The aiohttp application (``/generate``, ``/health``, ``/get_model_info``, ``/get_server_info``)."""
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/generate", self.handle_generate)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/health_generate", self.handle_health)
+        for path in ("/get_model_info", "/model_info"):
+            app.router.add_get(path, self.handle_model_info)
+        for path in ("/get_server_info", "/server_info"):
+            app.router.add_get(path, self.handle_server_info)
+        return app
+
+
+async def _start(stub: StubServer, host: str, port: int) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(stub.build_app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096)
+    await site.start()
+    return runner, int(site._server.sockets[0].getsockname()[1])
+
+
+@dataclass
+class RunningStub:
+    """A stub serving in a background thread: ``url`` is ``http://host:port``."""
+
+    url: str
+    stub: StubServer
+
+
+@contextlib.contextmanager
+def serve_stub_in_thread(stub: StubServer, host: str = "127.0.0.1", port: int = 0) -> Iterator[RunningStub]:
+    """Serve ``stub`` from an event loop in a daemon thread of this process; stop it on exit."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="stub-server", daemon=True)
+    thread.start()
+    runner, bound = asyncio.run_coroutine_threadsafe(_start(stub, host, port), loop).result(30)
+    try:
+        yield RunningStub(url=f"http://{host}:{bound}", stub=stub)
+    finally:
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point (see the module docstring); returns the exit code."""
+    p = argparse.ArgumentParser(prog="python -m eagle_assets.serving.stub_server",
+                                description="Model-free SGLang-shaped /generate server for client benchmarks.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 = any free port (printed in the ready line)")
+    p.add_argument("--latency-ms", type=float, default=0.0, help="fixed wait before each reply")
+    p.add_argument("--output-tokens", type=int, default=None, help="fixed reply length (finish by length)")
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process dies")
+    args = p.parse_args(argv)
+    stub = StubServer(vocab_size=args.vocab_size, latency_s=args.latency_ms / 1000.0,
+                      output_tokens=args.output_tokens)
+
+    async def serve() -> None:
+        runner, port = await _start(stub, args.host, args.port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        if args.exit_with_parent:
+            parent = os.getppid()
+
+            async def watch_parent() -> None:
+                while os.getppid() == parent:
+                    await asyncio.sleep(1.0)
+                stop.set()
+
+            watcher = asyncio.ensure_future(watch_parent())
+        print(f"{READY_PREFIX} http://{args.host}:{port}", flush=True)
+        await stop.wait()
+        if args.exit_with_parent:
+            watcher.cancel()
+        await runner.cleanup()
+
+    try:
+        import uvloop  # a faster loop keeps the stub's own overhead out of client measurements
+    except ImportError:
+        asyncio.run(serve())
+    else:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""``run_generation`` end to end against a real HTTP server that misbehaves on purpose.
+
+The server is ``eagle_assets.serving.stub_server.StubServer`` on 127.0.0.1 (aiohttp, its own event loop in a
+thread): replies are a pure function of the prompt, so every row that reaches a shard can be checked id by id, and
+faults are scripted per sample id and attempt. The client is the real ``GenerateClient``; the shards and the
+failures table are real Parquet files read back with pyarrow.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from collections import Counter
+
+import pyarrow.parquet as pq
+import pytest
+
+from eagle_assets.generation import FAILURES_FILE, LOCK_FILE, PartitionBusyError, run_generation
+from eagle_assets.serving.client import GenerateClient
+from eagle_assets.serving.protocol import SamplingParams
+from eagle_assets.serving.stub_server import StubServer, serve_stub_in_thread, stub_output_ids
+from eagle_assets.storage import read_shards, shard_paths
+
+VOCAB = 500
+STOP = 2
+SP = SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=[STOP])
+SECRET = "sk-never-print-this-7f3a"
+TIMEOUT_S = 0.3
+# fault -> the failure kind the client must record when the fault happens on every attempt
+PERSISTENT = {
+    "http_500": "http_5xx",
+    "http_400": "bad_request",
+    "abort": "abort",
+    "truncated": "bad_json",
+    "ct_mismatch": "length_mismatch",
+    "echo": "prompt_echo",
+    "oov": "id_out_of_vocab",
+    "drop": "connection",
+    "reset": "connection",
+    "hang": "timeout",
+    "echo_auth": "http_5xx",
+}
+TRANSIENT = ["http_500", "http_503", "http_429", "abort", "truncated", "ct_mismatch", "echo", "oov", "drop", "reset",
+             "hang"]
+
+
+def _prompt(i: int) -> list[int]:
+    return [8 + (i * 53 + k * 17) % (VOCAB - 8) for k in range(5 + i % 7)]
+
+
+def _expected(prompt: list[int]) -> tuple[list[int], str]:
+    ids, finish = stub_output_ids(prompt, SP.max_new_tokens, VOCAB, SP.stop_token_ids)
+    return ids, finish["type"]
+
+
+class Script:
+    """Fault plan: a burst of 503s for every request in the first ``burst_s`` seconds, then per-rid faults."""
+
+    def __init__(self, burst_s: float = 0.3):
+        self.burst_s = burst_s
+        self.t0: float | None = None
+        self.transient_done: set[str] = set()
+
+    def __call__(self, rid: str, attempt: int, body: dict) -> str | None:
+        now = time.monotonic()
+        if self.t0 is None:
+            self.t0 = now
+        if now - self.t0 < self.burst_s:
+            return "http_503"
+        kind, _, fault = rid.partition(":")
+        if kind == "always":
+            return fault
+        if kind == "once" and rid not in self.transient_done:
+            self.transient_done.add(rid)
+            return fault
+        return None
+
+
+def _client(url: str, **kw) -> GenerateClient:
+    kw.setdefault("max_attempts", 5)
+    return GenerateClient([url], concurrency_per_server=8, timeout_s=TIMEOUT_S, backoff_base_s=0.05,
+                          backoff_max_s=0.5, **kw)
+
+
+def _rows(out_dir) -> dict[str, dict]:
+    table = read_shards(out_dir)
+    rows = [] if table is None else table.to_pylist()
+    ids = [r["sample_id"] for r in rows]
+    assert len(ids) == len(set(ids)), f"duplicate sample ids in shards: {Counter(ids).most_common(3)}"
+    return {r["sample_id"]: r for r in rows}
+
+
+def _assert_rows_are_exact(rows: dict[str, dict], prompts: dict[str, list[int]]) -> None:
+    for sid, row in rows.items():
+        ids, finish = _expected(prompts[sid])
+        assert row["output_ids"] == ids, sid
+        assert row["finish_reason"] == finish and row["completion_tokens"] == len(ids), sid
+        assert row["prompt_tokens"] == len(prompts[sid])
+        assert row["matched_stop"] == (STOP if finish == "stop" else None)
+
+
+def test_faults_become_failure_rows_and_never_reach_a_shard(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_TEST_KEY", SECRET)
+    prompts = {f"ok:{i}": _prompt(i) for i in range(40)}
+    prompts.update({f"always:{f}": _prompt(100 + j) for j, f in enumerate(PERSISTENT)})
+    prompts.update({f"once:{f}": _prompt(200 + j) for j, f in enumerate(TRANSIENT)})
+    prompts["bad_input:oov_prompt"] = [5, VOCAB + 1]
+    out = tmp_path / "gen"
+    messages: list[str] = []
+    stub = StubServer(vocab_size=VOCAB, fault=Script(), hang_s=3 * TIMEOUT_S)
+    with serve_stub_in_thread(stub) as running:
+        client = _client(running.url, api_key_env="EAGLE_TEST_KEY")
+        t0 = time.monotonic()
+        stats = run_generation(list(prompts.items()), out, client, SP, VOCAB, flush_rows=7, progress=messages.append,
+                               progress_every_s=0.25)
+        wall = time.monotonic() - t0
+        sent = Counter(stub.stats.per_rid)
+        burst = stub.stats.faults["http_503"]
+
+    rows = _rows(out)
+    failures = {f["sample_id"]: f for f in pq.read_table(out / FAILURES_FILE).to_pylist()}
+    good = {s for s in prompts if s.startswith(("ok:", "once:"))}
+    assert set(rows) == good, "every healthy or transiently failing request must end as exactly one row"
+    _assert_rows_are_exact(rows, prompts)
+    assert {s: f["kind"] for s, f in failures.items()} == {
+        **{f"always:{f}": kind for f, kind in PERSISTENT.items()}, "bad_input:oov_prompt": "bad_input"}
+    assert not set(failures) & set(rows)
+    # attempts are what the server saw; a refusal (400) is not retried once it is reached
+    for sid, f in failures.items():
+        assert f["attempts"] == sent[sid], sid
+        assert f["last_error"]
+    assert failures["always:http_400"]["attempts"] <= 2  # one burst 503 at most, then the refusal
+    assert all(failures[f"always:{f}"]["attempts"] == 5 for f in PERSISTENT if f != "http_400")
+    assert "prompt" in failures["always:echo"]["last_error"]  # prompt-tail ids are named as such
+    assert failures["bad_input:oov_prompt"]["attempts"] == 0 and "bad_input:oov_prompt" not in sent
+    for sid in good:
+        assert rows[sid]["attempts"] == sent[sid]
+    assert all(rows[f"once:{f}"]["attempts"] >= 2 for f in TRANSIENT)
+
+    assert burst >= 8, "the burst must have hit many requests"
+    assert stats.requested == len(prompts) and stats.succeeded == len(good) and stats.failed == len(failures)
+    assert stats.retried == sum(sent.values()) - (len(prompts) - 1)
+    assert stats.finish_reasons == Counter(row["finish_reason"] for row in rows.values())
+    summary = stats.summary()
+    for key in ("requested", "succeeded", "failed", "retried", "finish_reasons", "requests_per_s",
+                "output_tokens_per_s", "latency_p50_ms", "latency_p99_ms"):
+        assert key in summary
+    assert summary["failure_kinds"]["connection"] == 2 and summary["latency_p99_ms"] >= summary["latency_p50_ms"] > 0
+    # progress comes from a timer: bounded by the wall time, never one line per request
+    assert 1 <= len(messages) <= wall / 0.25 + 2 < len(prompts)
+    assert messages[-1].startswith("generation finished")
+    # the key never leaves the client, even when a server echoes the request headers into its error body
+    assert "Bearer ***" in failures["always:echo_auth"]["last_error"]
+    shown = repr(summary) + "".join(messages) + repr(pq.read_table(out / FAILURES_FILE).to_pylist()) + repr(client)
+    assert SECRET not in shown
+    assert not any(p.name.endswith(".tmp") for p in out.iterdir())
+
+    # a later materialization against a healed server sends only the failed ids and clears the failures table
+    with serve_stub_in_thread(StubServer(vocab_size=VOCAB)) as healed:
+        again = run_generation(list(prompts.items()), out, _client(healed.url, api_key_env="EAGLE_TEST_KEY"), SP,
+                               VOCAB)
+        resent = set(healed.stub.stats.per_rid)
+    assert resent == set(failures) - {"bad_input:oov_prompt"}
+    assert again.skipped_done == len(good) and again.succeeded == len(PERSISTENT)
+    rows = _rows(out)
+    assert set(rows) == set(prompts) - {"bad_input:oov_prompt"}
+    _assert_rows_are_exact(rows, prompts)
+    assert [f["sample_id"] for f in pq.read_table(out / FAILURES_FILE).to_pylist()] == ["bad_input:oov_prompt"]
+
+
+def test_requests_are_sglang_native_and_a_finished_partition_sends_no_request(tmp_path):
+    prompts = [(f"s{i}", _prompt(i)) for i in range(30)]
+    out = tmp_path / "gen"
+    with serve_stub_in_thread(StubServer(vocab_size=VOCAB, keep_bodies=True)) as running:
+        first = run_generation(prompts, out, _client(running.url), SP, VOCAB, flush_rows=8)
+        n_shards = len(shard_paths(out))
+        before = running.stub.stats.requests
+        second = run_generation(prompts + prompts[:3], out, _client(running.url), SP, VOCAB)
+        assert running.stub.stats.requests == before == 30
+        bodies = running.stub.bodies
+    # rid = sample id; explicit max_new_tokens (SGLang would default to 128), stop ids, special tokens kept
+    assert sorted(b["rid"] for b in bodies) == sorted(sid for sid, _ in prompts)
+    assert all(b["input_ids"] == dict(prompts)[b["rid"]] for b in bodies)
+    assert all(b["sampling_params"] == {"max_new_tokens": 24, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
+                                        "skip_special_tokens": False, "stop_token_ids": [STOP]} for b in bodies)
+    assert first.succeeded == 30 and n_shards == 4
+    assert (second.prompts, second.requested, second.skipped_done, second.succeeded) == (30, 0, 30, 0)
+    assert len(shard_paths(out)) == n_shards and len(_rows(out)) == 30
+    with serve_stub_in_thread(StubServer(vocab_size=VOCAB)) as running:
+        third = run_generation(prompts, out, _client(running.url), SP, VOCAB, regenerate=True)
+        assert running.stub.stats.requests == 30  # only the regenerate option sends requests again
+    assert third.requested == 30 and len(shard_paths(out)) == 1 and len(_rows(out)) == 30
+
+
+def test_partial_buffer_is_flushed_by_the_timer_while_a_slow_request_runs(tmp_path):
+    # 20 quick replies, then one that takes ~1 s: with flush_rows far above 20 only the timer can write them early
+    prompts = [(f"q{i}", _prompt(i)) for i in range(20)] + [("always:hang", _prompt(99))]
+    out = tmp_path / "gen"
+    seen_mid_run: list[int] = []
+
+    def progress(message: str) -> None:
+        if not message.startswith("generation finished"):
+            seen_mid_run.append(len(_rows(out)))
+
+    stub = StubServer(vocab_size=VOCAB, fault=Script(burst_s=0.0), hang_s=1.0)
+    with serve_stub_in_thread(stub) as running:
+        client = GenerateClient([running.url], concurrency_per_server=4, timeout_s=5.0, max_attempts=1)
+        stats = run_generation(prompts, out, client, SP, VOCAB, flush_rows=1000, flush_seconds=0.2,
+                               progress=progress, progress_every_s=0.4)
+    assert stats.succeeded == 21 and stats.shards_written == 2
+    assert seen_mid_run and max(seen_mid_run) == 20, seen_mid_run
+
+
+def test_one_writer_per_partition_and_stale_temp_files_are_removed(tmp_path):
+    out = tmp_path / "gen"
+    out.mkdir()
+    stale = out / ".shard-00000.parquet.k1ll3d.tmp"
+    stale.write_bytes(b"half a parquet file")
+    prompts = [(f"s{i}", _prompt(i)) for i in range(5)]
+    with serve_stub_in_thread(StubServer(vocab_size=VOCAB)) as running:
+        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another writer holds the partition
+            with pytest.raises(PartitionBusyError, match="another process is generating"):
+                run_generation(prompts, out, _client(running.url), SP, VOCAB)
+            assert running.stub.stats.requests == 0 and stale.exists()
+        finally:
+            os.close(fd)
+        stats = run_generation(prompts, out, _client(running.url), SP, VOCAB)
+    assert stats.succeeded == 5 and not stale.exists()
+    assert len(_rows(out)) == 5
+
+
+def test_redaction_covers_the_key_and_url_credentials(monkeypatch):
+    monkeypatch.setenv("EAGLE_TEST_KEY", SECRET)
+    client = GenerateClient(["http://127.0.0.1:1"], api_key_env="EAGLE_TEST_KEY")
+    text = client.redact(f"proxy said: Authorization: Bearer {SECRET} at http://user:pw@10.0.0.1:8000/generate")
+    assert SECRET not in text and "user:pw" not in text
+    assert text == "proxy said: Authorization: Bearer *** at http://***@10.0.0.1:8000/generate"
