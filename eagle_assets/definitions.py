@@ -13,6 +13,8 @@ from eagle_assets.assets.generation import build_generation_assets
 from eagle_assets.assets.prompts import build_prompt_assets
 from eagle_assets.assets.qc import build_qc_assets
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
+from eagle_assets.assets.schedules import build_schedules
+from eagle_assets.assets.sensors import build_sensors
 from eagle_assets.assets.training import build_training_assets
 from eagle_assets.catalog import default_catalog_path, load_catalog
 from eagle_assets.serving.resource import SGLangServerResource
@@ -22,6 +24,9 @@ PARTITION_JOB = "partition_job"
 TRAINING_JOB = "training_job"
 PARTITION_ASSETS = ["raw_prompts", "tokenized_prompts", "generations", "qc_shards", "length_report"]
 TRAINING_ASSETS = ["draft_vocab", "drafter_checkpoint"]
+# Generation is per partition (its own prompts, sampling and server load), and a failed partition must not fail the
+# others: an asset backfill launches one run per partition (README "Backfills").
+PARTITION_BACKFILL_POLICY = dg.BackfillPolicy.multi_run(max_partitions_per_run=1)
 
 
 def build_definitions(
@@ -44,7 +49,10 @@ def build_definitions(
         *build_qc_assets(partitions_def),
         *build_training_assets(),
     ]
-    asset_defs = [a for a in assets if isinstance(a, dg.AssetsDefinition)]
+    asset_defs = [
+        a.with_attributes(backfill_policy=PARTITION_BACKFILL_POLICY) if a.partitions_def is not None else a
+        for a in assets if isinstance(a, dg.AssetsDefinition)
+    ]
     checks = [a for a in assets if not isinstance(a, dg.AssetsDefinition)]
     partition_job = dg.define_asset_job(
         PARTITION_JOB,
@@ -69,6 +77,8 @@ def build_definitions(
         assets=asset_defs,
         asset_checks=checks,
         jobs=[partition_job, training_job],
+        sensors=build_sensors(),
+        schedules=build_schedules(),
         resources={
             "settings": PipelineSettings(catalog_path=str(catalog_path), storage_root=str(storage_root)),
             "target": TargetModel(model=str(catalog.target.model)),

@@ -7,7 +7,7 @@ import dagster as dg
 
 from eagle_assets.assets.qc import passing_partitions
 from eagle_assets.assets.resources import PipelineSettings
-from eagle_assets.assets.sensors import TRIGGER_TAG
+from eagle_assets.assets.sensors import TRIGGER_TAG, training_run_in_flight
 from eagle_assets.catalog import CatalogError
 
 NIGHTLY_SCHEDULE = "nightly_training_schedule"
@@ -23,13 +23,17 @@ NIGHTLY_CRON = "0 3 * * *"
     description="Re-trains the drafter at 03:00 UTC from every partition whose latest QC passed.",
 )
 def nightly_training_schedule(context: dg.ScheduleEvaluationContext, settings: PipelineSettings):
-    """A training run every night, skipped (with the reason) while no partition has passing QC shards."""
+    """A training run every night, skipped (with the reason) while no partition has passing QC shards or while a
+    training run is still queued or running."""
     try:
         keys, excluded = passing_partitions(settings)
-    except CatalogError as exc:
-        return dg.SkipReason(f"the catalog is invalid, nothing launched: {exc}")
+    except (CatalogError, OSError) as exc:
+        return dg.SkipReason(f"the catalog cannot be read, nothing launched: {exc}")
     if not keys:
         return dg.SkipReason(f"no partition has passing QC shards yet: {excluded}")
+    running = training_run_in_flight(context.instance)
+    if running is not None:
+        return dg.SkipReason(f"training run {running.run_id} is {running.status.value}; not starting another")
     return dg.RunRequest(tags={TRIGGER_TAG: "nightly", "eagle_assets/partitions": ",".join(keys)[:1000]})
 
 

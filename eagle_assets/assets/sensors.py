@@ -12,9 +12,9 @@
 
 ``training_sensor`` (targets ``training_job``)
     Launches training once every partition of the catalog has a ``qc_shards/<partition>/qc_status.json`` with
-    ``passed: true`` that is newer than the last checkpoint (``drafter_checkpoint/checkpoint/model.safetensors``).
-    The run key is a hash of those status files' mtimes, so a failed training run is not retried in a loop: it is
-    retried when a partition's QC is rewritten.
+    ``passed: true`` that is newer than the last checkpoint (``drafter_checkpoint/checkpoint/model.safetensors``),
+    and no ``training_job`` run is queued or running. The run key is a hash of those status files' mtimes, so a
+    failed training run is not retried in a loop: it is retried when a partition's QC is rewritten.
 
 Both default to STOPPED: turn them on in the UI (Automation) or with ``dagster sensor start``. The minimum interval
 between ticks is 30 s (source files) and 60 s (training); ``$EAGLE_ASSETS_SENSOR_INTERVAL_S`` overrides both.
@@ -82,7 +82,7 @@ class SourceDigest:
 def partition_source_digest(spec: PartitionSpec, cache: dict[str, list] | None = None) -> SourceDigest:
     """Hash a partition's resolved source files; files whose (size, mtime_ns) match ``cache`` are not re-read.
 
-    Never raises for a missing file: it is listed in ``missing`` and ``digest`` is None.
+    Never raises for a missing or unreadable file: it is listed in ``missing`` and ``digest`` is None.
     """
     cache = cache or {}
     resolved = spec.resolved_sources(check_exists=False)
@@ -94,17 +94,16 @@ def partition_source_digest(spec: PartitionSpec, cache: dict[str, list] | None =
         key = str(path)
         try:
             st = path.stat()
-        except OSError:
+            if not path.is_file():
+                raise IsADirectoryError(f"{key} is not a file")
+            hit = cache.get(key)
+            if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
+                sha = hit[2]
+            else:
+                sha = _file_sha256(path)
+        except OSError:  # absent, unreadable or not a file: reported, never a failed tick
             missing.append(key)
             continue
-        if not path.is_file():
-            missing.append(key)
-            continue
-        hit = cache.get(key)
-        if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
-            sha = hit[2]
-        else:
-            sha = _file_sha256(path)
         files[key] = [st.st_size, st.st_mtime_ns, sha]
         newest = max(newest, st.st_mtime)
         outer.update(f"{key}\0{fmt}\0{sha}\n".encode())
@@ -151,8 +150,8 @@ def source_files_sensor(context: dg.SensorEvaluationContext, settings: PipelineS
     """One RunRequest per partition whose sources' content digest changed since the last tick."""
     try:
         catalog = settings.catalog()
-    except CatalogError as exc:
-        return dg.SkipReason(f"the catalog is invalid, nothing launched: {exc}")
+    except (CatalogError, OSError) as exc:
+        return dg.SkipReason(f"the catalog cannot be read, nothing launched: {exc}")
     catalog_name = settings.layout().catalog_name
     cursor = _load_cursor(context.cursor)
     seen: dict = cursor.get("partitions", {}) if isinstance(cursor.get("partitions"), dict) else {}
@@ -243,6 +242,16 @@ def training_readiness(settings: PipelineSettings) -> TrainingReadiness:
     return TrainingReadiness(ready=not blocked, blocked=blocked, qc_mtimes=mtimes, checkpoint_mtime_ns=ckpt_mtime)
 
 
+IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+             dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+
+
+def training_run_in_flight(instance: dg.DagsterInstance) -> dg.DagsterRun | None:
+    """A ``training_job`` run that is queued or running, if any (one training at a time writes the checkpoint)."""
+    runs = instance.get_runs(dg.RunsFilter(job_name="training_job", statuses=IN_FLIGHT), limit=1)
+    return runs[0] if runs else None
+
+
 @dg.sensor(
     name=TRAINING_SENSOR,
     job_name="training_job",
@@ -254,11 +263,15 @@ def training_sensor(context: dg.SensorEvaluationContext, settings: PipelineSetti
     """A RunRequest for training_job when :func:`training_readiness` says ready, else a SkipReason naming why."""
     try:
         state = training_readiness(settings)
-    except CatalogError as exc:
-        return dg.SkipReason(f"the catalog is invalid, nothing launched: {exc}")
+    except (CatalogError, OSError) as exc:
+        return dg.SkipReason(f"the catalog cannot be read, nothing launched: {exc}")
     if not state.ready:
         why = "; ".join(f"{k}: {v}" for k, v in state.blocked.items())
         return dg.SkipReason(f"training waits for fresh passing QC of every partition ({why})")
+    running = training_run_in_flight(context.instance)
+    if running is not None:
+        # QC that lands while a run trains is compared with that run's checkpoint once it is written.
+        return dg.SkipReason(f"training run {running.run_id} is {running.status.value}; waiting for it to finish")
     context.log.info(f"QC of {sorted(state.qc_mtimes)} is newer than the last checkpoint: launching training")
     return dg.RunRequest(run_key=state.run_key, tags={TRIGGER_TAG: "fresh_qc"})
 

@@ -1,0 +1,39 @@
+"""The embedded default target: a tiny Qwen3 trained on seeded synthetic transcripts, built on CPU in ~2 minutes.
+
+Public API::
+
+    build_demo_target(cache_root=None, force=False, recipe=None, log=None) -> Path   # HF model dir, cached by hash
+    demo_target_path(cache_root=None, recipe=None) -> Path                         # where it lives; builds nothing
+    recipe_hash(recipe=None) -> str ; DemoRecipe ; default_cache_root() -> Path
+    generate_samples(kind, n, seed) -> list[DemoSample] ; KINDS ; completion_text(sample) -> str
+    write_raw_samples(out_dir=None) -> list[Path]                                  # catalogs/demo_data/*
+
+Kinds and partitions: tool -> B1_glaive, code -> B2_opencodeinstruct, math -> B4_mixturethoughts,
+reasoning -> B5_openthoughts. CLIs: ``python -m eagle_assets.demo.build``, ``python -m eagle_assets.demo.raw_samples``,
+``python -m eagle_assets.demo.evaluate``.
+"""
+
+import importlib
+from typing import Any
+
+# Attribute -> defining submodule. Resolved lazily so that importing the package (or running one of its modules
+# with ``python -m``) does not import torch/transformers or the other submodules first.
+_EXPORTS = {
+    "DemoRecipe": "build",
+    "build_demo_target": "build",
+    "default_cache_root": "build",
+    "demo_target_path": "build",
+    "recipe_hash": "build",
+    "write_raw_samples": "raw_samples",
+    "KINDS": "transcripts",
+    "DemoSample": "transcripts",
+    "completion_text": "transcripts",
+    "generate_samples": "transcripts",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"eagle_assets.demo.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'eagle_assets.demo' has no attribute {name!r}")

@@ -1,0 +1,388 @@
+"""Seeded synthetic conversations the embedded demo target is trained on.
+
+Four kinds, one per demo partition (reply lengths in demo-tokenizer tokens, stop token included):
+
+- ``tool`` (B1_glaive): a system turn with 1-2 OpenAI tool schemas (six one-argument functions) and a user request
+  one of them answers; the reply is a short reasoning naming the function and its argument, then one
+  ``<tool_call>`` (~55-65 tokens).
+- ``code`` (B2_opencodeinstruct): "write a Python function ... that must handle K cases"; the reasoning walks the K
+  cases, the answer is a fenced Python block (~130-245 tokens).
+- ``math`` (B4_mixturethoughts): "N numbers: ..., which is the largest / smallest, how many are even"; the reasoning
+  takes one line per number (~275-465 tokens).
+- ``reasoning`` (B5_openthoughts): a seating puzzle with K clues under a system prompt; one line per clue
+  (~225-400 tokens).
+
+Whether a system turn is present varies (about 15% of tool/reasoning prompts lack theirs, 10% of code prompts get
+a generic one) so the target does not depend on one exact prompt prefix.
+
+Why this shape: a tiny model trained for about a minute and a half on CPU cannot learn open-ended language, but it
+can learn templated sentences and a visible counter. Every long reasoning is a count-down over items whose number
+is written in the prompt ("12 numbers", "9 clues", "3 cases"): the header repeats the number, each line starts
+with how many items are left ("7 to go: ..."), and :data:`DONE_LINE` ("0 to go, so I am done.") closes it.
+Deciding when to write ``</think>`` is then a local pattern (a decrement, and a fixed line at zero) rather than
+long-range counting, which a model of this size gets wrong. Spots where the model would have to copy from the
+prompt (names, numbers) never decide the structure: a wrong copy still yields a well-formed reply. Reply lengths therefore differ by kind and vary within a kind, as
+real reasoning-model traffic does.
+
+The reply follows the Qwen3 layout that ``chat_template.jinja`` renders for assistant history turns: after the
+generation prompt ``<|im_start|>assistant\n<think>`` the model writes ``\n{reasoning}\n</think>\n\n`` then the
+answer text or ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``, then ``<|im_end|>``
+(:func:`completion_text`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+# Bump when the generated text changes; it is part of the demo target's recipe hash.
+GENERATOR_VERSION = "1"
+
+KINDS: tuple[str, ...] = ("tool", "code", "math", "reasoning")
+
+# glaive-function-calling-v2 opens every system prompt with exactly this sentence; the glaive loader keeps it as
+# the system turn and moves the embedded function schemas into ``tools``.
+GLAIVE_SYSTEM = "You are a helpful assistant with access to the following functions. Use them if required -"
+# Shorter than OpenThoughts' own system prompt (which is ~250 words) to keep training sequences short, same intent.
+THOUGHTS_SYSTEM = (
+    "Your role as an assistant involves thoroughly exploring questions through a systematic thinking process "
+    "before providing the final precise and accurate solution. Check every clue in your thoughts, then give a "
+    "short answer."
+)
+GENERIC_SYSTEM = "You are a helpful assistant."
+# The last reasoning line of every count-down, whatever the kind: one shared pattern before </think> is learned
+# far more reliably than one per kind, and the answer never repeats it (a repeated line invites the model to
+# repeat whatever followed it, here a second </think>).
+DONE_LINE = "0 to go, so I am done."
+
+_CITIES = ["Paris", "Tokyo", "Rome", "Cairo", "Lima", "Oslo", "Delhi", "Seoul", "Madrid", "Berlin", "Dublin", "Vienna"]
+_NAMES = ["Anna", "Ben", "Carl", "Dana", "Eva", "Finn", "Gina", "Hugo", "Ivy", "Jack", "Kate", "Leo"]
+_CURRENCIES = ["EUR", "GBP", "JPY", "CAD", "CHF", "INR"]
+_SYMBOLS = ["AAPL", "MSFT", "GOOG", "AMZN", "TSLA", "NVDA"]
+_INGREDIENTS = ["rice", "chicken", "tomato", "beans", "lemon", "cheese"]
+_TOPICS = ["sports", "science", "music", "travel", "health"]
+
+
+def _prop(kind: str, description: str) -> dict[str, Any]:
+    return {"type": kind, "description": description}
+
+
+# name -> (description, {arg: (json type, description)}, user templates, goal phrase). Function schemas are in
+# glaive's own layout (name, description, parameters{type, properties, required}); the glaive loader wraps them as
+# OpenAI tools without reordering keys, so the rendered prompt is byte-identical to what the model was trained on.
+_TOOLS: dict[str, tuple[str, dict[str, tuple[str, str]], list[str], str]] = {
+    "get_weather": (
+        "Get the current weather for a city",
+        {"city": ("string", "The name of the city")},
+        ["What is the weather like in {city} today?", "Can you tell me the weather in {city}?"],
+        "the weather in {city}",
+    ),
+    "get_stock_price": (
+        "Get the current price of a stock",
+        {"symbol": ("string", "The stock symbol")},
+        ["What is the current stock price of {symbol}?", "How much does one share of {symbol} cost now?"],
+        "the stock price of {symbol}",
+    ),
+    "get_exchange_rate": (
+        "Get the exchange rate of a currency in US dollars",
+        {"currency": ("string", "The currency code")},
+        ["What is the exchange rate of {currency} today?", "How much is one {currency} worth right now?"],
+        "the exchange rate of {currency}",
+    ),
+    "find_flights": (
+        "Find flights to a city",
+        {"destination": ("string", "The destination city")},
+        ["Find me a flight to {destination}.", "Are there any flights to {destination} tomorrow?"],
+        "flights to {destination}",
+    ),
+    "search_recipes": (
+        "Search for recipes that use an ingredient",
+        {"ingredient": ("string", "The main ingredient")},
+        ["Find me a recipe with {ingredient}.", "Do you know a good dish with {ingredient}?"],
+        "a recipe with {ingredient}",
+    ),
+    "get_news": (
+        "Get the latest news about a topic",
+        {"topic": ("string", "The news topic")},
+        ["What are the latest news about {topic}?", "Show me today's headlines on {topic}."],
+        "the latest news about {topic}",
+    ),
+}
+_ARG_VALUES = {"city": _CITIES, "symbol": _SYMBOLS, "currency": _CURRENCIES, "destination": _CITIES,
+               "ingredient": _INGREDIENTS, "topic": _TOPICS}
+
+
+def function_schema(name: str) -> dict[str, Any]:
+    """The glaive-layout function schema of demo tool ``name`` (``{"name", "description", "parameters"}``)."""
+    description, args, _, _ = _TOOLS[name]
+    return {
+        "name": name,
+        "description": description,
+        "parameters": {
+            "type": "object",
+            "properties": {arg: _prop(t, d) for arg, (t, d) in args.items()},
+            "required": list(args),
+        },
+    }
+
+
+def _tool_arguments(name: str, rng: random.Random) -> dict[str, Any]:
+    return {arg: rng.choice(_ARG_VALUES[arg]) for arg in _TOOLS[name][1]}
+
+
+@dataclass(frozen=True)
+class DemoSample:
+    """One synthetic conversation: a prompt and the reply the demo target learns to give.
+
+    Attributes:
+        kind: one of :data:`KINDS`.
+        messages: prompt messages (OpenAI style; an optional system turn, then one user turn).
+        tools: OpenAI tool schemas (``tool`` kind) or None.
+        reasoning: the reasoning text (what goes between ``<think>`` and ``</think>``, without the newlines
+            the template adds around it).
+        content: the answer text after ``</think>`` ("" for tool calls).
+        tool_calls: ``[{"type": "function", "function": {"name", "arguments": dict}}]`` or None.
+        features: the prompt features the reply length is tied to (``n_items``: steps/clues/cases/arguments) and
+            kind-specific facts used to write native dataset records (function response, op, answer...).
+    """
+
+    kind: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    reasoning: str
+    content: str
+    tool_calls: list[dict[str, Any]] | None
+    features: dict[str, Any] = field(default_factory=dict)
+
+    def reply_message(self) -> dict[str, Any]:
+        """The reply as an OpenAI assistant message (``reasoning_content``, ``content``, optional ``tool_calls``)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content, "reasoning_content": self.reasoning}
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+
+def tool_call_text(call: dict[str, Any]) -> str:
+    """Qwen3's rendering of one tool call: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
+
+    Same bytes as ``chat_template.jinja`` (whose ``tojson`` is ``json.dumps`` with default separators and
+    ``ensure_ascii=False``), so history turns and generated turns agree.
+    """
+    fn = call["function"]
+    return '<tool_call>\n{"name": "' + fn["name"] + '", "arguments": ' + json.dumps(fn["arguments"], ensure_ascii=False) + "}\n</tool_call>"
+
+
+def completion_text(sample: DemoSample) -> str:
+    """The exact text the model writes after the generation prompt (which ends with ``<think>``), stop token included.
+
+    Layout (Qwen3): ``"\\n" + reasoning + "\\n</think>\\n\\n" + answer + "<|im_end|>"`` where the answer is the
+    content, or the tool calls joined by newlines when there is no content.
+    """
+    answer = sample.content
+    if sample.tool_calls:
+        calls = "\n".join(tool_call_text(c) for c in sample.tool_calls)
+        answer = answer + ("\n" if answer else "") + calls
+    return "\n" + sample.reasoning + "\n</think>\n\n" + answer + "<|im_end|>"
+
+
+# ---------------------------------------------------------------------------------------------------------- tool
+
+def _tool_sample(rng: random.Random) -> DemoSample:
+    name = rng.choice(sorted(_TOOLS))
+    _, _, templates, goal = _TOOLS[name]
+    args = _tool_arguments(name, rng)
+    others = rng.sample([t for t in sorted(_TOOLS) if t != name], rng.randint(0, 1))
+    names = others + [name]
+    rng.shuffle(names)
+    tools = [{"type": "function", "function": function_schema(n)} for n in names]
+    user = rng.choice(templates).format(**args)
+    lines = [f"The user asks for {goal.format(**args)}.", f"The function {name} can do this."]
+    for arg, value in args.items():
+        lines.append(f"The {arg} is {value}.")
+    lines.append(f"I will call {name} now.")
+    messages: list[dict[str, Any]] = []
+    if rng.random() < 0.85:
+        messages.append({"role": "system", "content": GLAIVE_SYSTEM})
+    messages.append({"role": "user", "content": user})
+    call = {"type": "function", "function": {"name": name, "arguments": args}}
+    return DemoSample(
+        kind="tool", messages=messages, tools=tools, reasoning=" ".join(lines), content="", tool_calls=[call],
+        features={"n_items": len(args), "function": name, "function_names": names,
+                  "function_response": _function_response(name, args, rng)},
+    )
+
+
+def _function_response(name: str, args: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], str]:
+    """A plausible function result and the assistant's final sentence (for glaive's second ASSISTANT block)."""
+    if name == "get_weather":
+        t = rng.randint(-5, 35)
+        return {"temperature": t, "condition": rng.choice(["sunny", "cloudy", "rainy"])}, f"It is {t} degrees in {args['city']} right now."
+    if name == "get_stock_price":
+        p = round(rng.uniform(50, 900), 2)
+        return {"price": p}, f"One share of {args['symbol']} costs {p} dollars."
+    if name == "get_exchange_rate":
+        r = round(rng.uniform(0.005, 1.5), 3)
+        return {"rate": r}, f"One {args['currency']} is worth {r} US dollars."
+    if name == "find_flights":
+        h = rng.randint(6, 21)
+        return {"flights": [{"departure": f"{h}:00"}]}, f"There is a flight to {args['destination']} at {h}:00."
+    if name == "search_recipes":
+        return {"recipes": [f"{args['ingredient']} soup", f"{args['ingredient']} salad"]}, f"You could make a {args['ingredient']} soup or a {args['ingredient']} salad."
+    if name == "get_news":
+        return {"headlines": [f"New {args['topic']} record", f"{args['topic'].title()} update"]}, f"Here are the latest {args['topic']} headlines."
+    raise KeyError(name)
+
+
+# ---------------------------------------------------------------------------------------------------------- code
+
+# name -> (parameter, what it does, start value, update line). Every solution has the same shape (a loop that
+# updates ``result``) so the end of the code block is as predictable as the end of the reasoning.
+_CODE_TASKS: dict[str, tuple[str, str, str, str]] = {
+    "sum_list": ("nums", "returns the sum of the numbers in the list", "0", "result += x"),
+    "count_evens": ("nums", "returns how many numbers in the list are even", "0", "result += 1 if x % 2 == 0 else 0"),
+    "max_value": ("nums", "returns the largest number in the list", "float('-inf')", "result = max(result, x)"),
+    "min_value": ("nums", "returns the smallest number in the list", "float('inf')", "result = min(result, x)"),
+    "product": ("nums", "returns the product of the numbers in the list", "1", "result *= x"),
+    "count_vowels": ("text", "returns how many vowels the text contains", "0", "result += 1 if x in 'aeiou' else 0"),
+    "reverse_list": ("items", "returns the items in reverse order", "[]", "result = [x] + result"),
+    "join_words": ("words", "returns the words joined into one string", "''", "result += x"),
+}
+# case -> what the reasoning says about it
+_CASES: dict[str, str] = {
+    "an empty input": "The loop does not run, so the start value is returned",
+    "a single element": "The loop runs once, so the result comes from that element",
+    "negative numbers": "The checks do not assume positive values, so they still work",
+    "repeated values": "Each value is handled on its own, so repeats are fine",
+    "a very long input": "The function makes one pass, so it stays fast",
+    "zero": "Zero takes the normal path, so no special check is needed",
+    "upper and lower case": "The comparison is the same for both, so case does not matter",
+    "extra spaces": "Splitting on spaces ignores the extra ones, so they do no harm",
+}
+
+
+def _code_sample(rng: random.Random) -> DemoSample:
+    name = rng.choice(sorted(_CODE_TASKS))
+    param, does, start, update = _CODE_TASKS[name]
+    k = rng.randint(2, 6)
+    cases = rng.sample(sorted(_CASES), k)
+    listing = "\n".join(f"{i + 1}. {c}" for i, c in enumerate(cases))
+    user = (f"Write a Python function `{name}({param})` that {does}. "
+            f"Your function must handle {k} cases:\n{listing}")
+    lines = [f"There are {k} cases, so I will check them one at a time and count down from {k}."]
+    for i, c in enumerate(cases):
+        lines.append(f"{k - i} to go: the next case is {c}. {_CASES[c]}.")
+    lines.append(DONE_LINE)
+    code = f"def {name}({param}):\n    result = {start}\n    for x in {param}:\n        {update}\n    return result"
+    content = f"Here is the function:\n\n```python\n{code}\n```\n\nIt handles all {k} cases."
+    messages: list[dict[str, Any]] = []
+    if rng.random() < 0.1:
+        messages.append({"role": "system", "content": GENERIC_SYSTEM})
+    messages.append({"role": "user", "content": user})
+    return DemoSample(kind="code", messages=messages, tools=None, reasoning="\n".join(lines), content=content,
+                      tool_calls=None, features={"n_items": k, "function": name, "code": code})
+
+
+# ---------------------------------------------------------------------------------------------------------- math
+
+def _math_sample(rng: random.Random) -> DemoSample:
+    n = rng.randint(9, 16)
+    nums = [rng.randint(1, 60) for _ in range(n)]
+    op = rng.choice(["largest", "smallest", "even"])
+    who = rng.choice(_NAMES)
+    listed = ", ".join(str(x) for x in nums)
+    question = {"largest": "Which of these numbers is the largest?", "smallest": "Which of these numbers is the smallest?",
+                "even": "How many of these numbers are even?"}[op]
+    user = f"{who} writes down {n} numbers: {listed}. {question} Return your final response within \\boxed{{}}."
+    lines = [f"There are {n} numbers, so I will check them one at a time and count down from {n}."]
+    acc = 0
+    for i, x in enumerate(nums):
+        left = n - i
+        if op in ("largest", "smallest"):
+            word = "bigger" if op == "largest" else "smaller"
+            if i == 0:
+                acc = x
+                lines.append(f"{left} to go: the first number is {x}, so the {op} so far is {x}.")
+            elif (x > acc) if op == "largest" else (x < acc):
+                lines.append(f"{left} to go: the next number is {x}. It is {word} than {acc}, so the {op} so far is now {x}.")
+                acc = x
+            else:
+                lines.append(f"{left} to go: the next number is {x}. It is not {word} than {acc}, so the {op} so far stays {acc}.")
+        elif x % 2 == 0:
+            acc += 1
+            lines.append(f"{left} to go: the next number is {x}. It is even, so the count of even numbers is now {acc}.")
+        else:
+            lines.append(f"{left} to go: the next number is {x}. It is odd, so the count of even numbers stays {acc}.")
+    result = {"largest": f"the largest number is {acc}", "smallest": f"the smallest number is {acc}",
+              "even": f"{acc} of the numbers are even"}[op]
+    lines.append(DONE_LINE)
+    content = f"I checked all {n} numbers: {result}.\n\n$\\boxed{{{acc}}}$"
+    return DemoSample(kind="math", messages=[{"role": "user", "content": user}], tools=None,
+                      reasoning="\n".join(lines), content=content, tool_calls=None,
+                      features={"n_items": n, "op": op, "answer": acc})
+
+
+# ----------------------------------------------------------------------------------------------------- reasoning
+
+def _reasoning_sample(rng: random.Random) -> DemoSample:
+    m = rng.randint(4, 6)
+    people = rng.sample(_NAMES, m)
+    order = people[:]
+    rng.shuffle(order)
+    pos = {p: i for i, p in enumerate(order)}
+    k = rng.randint(8, 14)
+    clues: list[tuple[str, str]] = []  # (clue text, what it means)
+    for _ in range(k):
+        a, b = rng.sample(people, 2)
+        kind = rng.choice(["left", "apart"])
+        if kind == "left":
+            if pos[a] > pos[b]:
+                a, b = b, a
+            clues.append((f"{a} sits left of {b}", f"{a} comes before {b}"))
+        elif abs(pos[a] - pos[b]) == 1:
+            clues.append((f"{a} sits next to {b}", f"{a} and {b} are neighbors"))
+        else:
+            gap = abs(pos[a] - pos[b]) - 1
+            between = "is 1 person" if gap == 1 else f"are {gap} people"
+            clues.append((f"there {between} between {a} and {b}", f"{a} and {b} are {gap + 1} seats apart"))
+    seat = rng.randint(1, m)
+    target = order[seat - 1]
+    clue_text = "\n".join(f"Clue {i + 1}: {c}." for i, (c, _) in enumerate(clues))
+    user = (f"{m} friends sit in a row of {m} seats: {', '.join(people)}. Here are {k} clues.\n{clue_text}\n"
+            f"Who sits in seat {seat}?")
+    lines = [f"There are {k} clues, so I will check them one at a time and count down from {k}."]
+    for i, (c, meaning) in enumerate(clues):
+        lines.append(f"{k - i} to go: the next clue says that {c}, so {meaning}.")
+    lines.append(DONE_LINE)
+    content = f"{target} sits in seat {seat}."
+    messages: list[dict[str, Any]] = []
+    if rng.random() < 0.85:
+        messages.append({"role": "system", "content": THOUGHTS_SYSTEM})
+    messages.append({"role": "user", "content": user})
+    return DemoSample(kind="reasoning", messages=messages, tools=None, reasoning="\n".join(lines), content=content,
+                      tool_calls=None, features={"n_items": k, "answer": target, "order": order})
+
+
+_MAKERS = {"tool": _tool_sample, "code": _code_sample, "math": _math_sample, "reasoning": _reasoning_sample}
+
+
+def generate_samples(kind: str, n: int, seed: int) -> list[DemoSample]:
+    """``n`` samples of one kind, deterministic for ``(kind, seed)``.
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`KINDS`.
+    """
+    if kind not in _MAKERS:
+        raise ValueError(f"unknown demo kind {kind!r}; use one of {KINDS}")
+    # A string seed is hashed by random.Random with sha512, stable across processes (unlike hash()).
+    rng = random.Random(f"eagle-assets-demo/{GENERATOR_VERSION}/{kind}/{seed}")
+    return [_MAKERS[kind](rng) for _ in range(n)]
+
+
+def generate_mixture(counts: int | dict[str, int], seed: int) -> list[DemoSample]:
+    """Samples of every kind (``counts`` per kind, or one count for all), interleaved in a seeded random order."""
+    per_kind = counts if isinstance(counts, dict) else {kind: counts for kind in KINDS}
+    out = [s for kind in KINDS for s in generate_samples(kind, per_kind.get(kind, 0), seed)]
+    random.Random(f"eagle-assets-demo/mix/{seed}").shuffle(out)
+    return out

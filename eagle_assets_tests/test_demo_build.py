@@ -1,0 +1,113 @@
+"""Demo target build: cache by recipe hash, atomic layout, loadable HF directory (tiny recipes, seconds each)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eagle_assets.demo.build import DemoRecipe, build_demo_target, demo_target_path, recipe_hash
+from eagle_assets.demo.evaluate import generate_replies
+from eagle_assets.demo.transcripts import generate_samples
+
+# Seconds to build: a handful of optimizer steps on a few transcripts; the weights are garbage, the layout is real.
+TINY = DemoRecipe(train_counts=(("tool", 3), ("code", 3), ("math", 3), ("reasoning", 3)), tokenizer_corpus_per_kind=6, vocab_size=1024, batch_tokens=2048, warmup_steps=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo-cache")
+    return root, build_demo_target(root, recipe=TINY, log=lambda _: None)
+
+
+def test_build_is_cached_by_recipe_hash(tiny_target):
+    root, path = tiny_target
+    assert path == demo_target_path(root, TINY) and path.name == recipe_hash(TINY)[:16]
+    meta = json.loads((path / "recipe.json").read_text())
+    assert meta["recipe_hash"] == recipe_hash(TINY) and meta["recipe"]["train_counts"] == [["tool", 3], ["code", 3], ["math", 3], ["reasoning", 3]]
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    t0 = time.monotonic()
+    assert build_demo_target(root, recipe=TINY) == path
+    assert time.monotonic() - t0 < 1.0
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rebuilt
+    # No temporary build directories left behind (only the target and its lock file).
+    assert sorted(p.name for p in root.iterdir()) == sorted([path.name, f".{path.name}.lock"])
+
+
+def test_recipe_change_changes_path(tiny_target):
+    root, path = tiny_target
+    other = dataclasses.replace(TINY, seed=TINY.seed + 1)
+    assert recipe_hash(other) != recipe_hash(TINY)
+    assert demo_target_path(root, other) != path
+    assert recipe_hash(TINY) == recipe_hash(dataclasses.replace(TINY))  # stable for an equal recipe
+
+
+def test_incomplete_directory_is_rebuilt(tmp_path):
+    # A directory without a matching recipe.json (crashed copy, stale hand edit) is never trusted.
+    stale = demo_target_path(tmp_path, TINY)
+    stale.mkdir(parents=True)
+    (stale / "recipe.json").write_text('{"recipe_hash": "something else"}')
+    path = build_demo_target(tmp_path, recipe=TINY, log=lambda _: None)
+    assert path == stale and json.loads((path / "recipe.json").read_text())["recipe_hash"] == recipe_hash(TINY)
+    assert (path / "model.safetensors").exists()
+
+
+def test_built_directory_loads_as_qwen3(tiny_target):
+    _, path = tiny_target
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    cfg = model.config
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert cfg.num_hidden_layers == 8 and cfg.tie_word_embeddings
+    assert cfg.vocab_size >= len(tok) and cfg.vocab_size % TINY.vocab_multiple == 0
+    im_end, eot = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    assert cfg.eos_token_id == im_end
+    gen = json.loads((path / "generation_config.json").read_text())
+    assert sorted(gen["eos_token_id"]) == sorted([im_end, eot]) and gen["pad_token_id"] == eot
+    cfg_json = json.loads((path / "tokenizer_config.json").read_text())
+    assert cfg_json["tokenizer_class"] == "PreTrainedTokenizerFast" and "chat_template" in cfg_json
+
+    s = generate_samples("tool", 1, seed=0)[0]
+    ids = tok.apply_chat_template(s.messages, tools=s.tools, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert ids[-1] == tok.convert_tokens_to_ids("<think>")
+    (reply,) = generate_replies(model.eval(), tok, [list(ids)], max_new_tokens=5)
+    assert 1 <= len(reply) <= 5 and all(0 <= t < cfg.vocab_size for t in reply)
+
+
+def test_build_is_deterministic(tiny_target, tmp_path):
+    _, path = tiny_target
+    again = build_demo_target(tmp_path, recipe=TINY, log=lambda _: None)
+    from safetensors.torch import load_file
+
+    a, b = load_file(path / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (path / "tokenizer.json").read_bytes() == (again / "tokenizer.json").read_bytes()
+
+
+def test_repeated_count_line_is_masked_and_tokenization_unchanged(tiny_target):
+    import random
+
+    from eagle_assets.demo.build import encode_sample, encode_training_sample
+
+    _, path = tiny_target
+    tok = AutoTokenizer.from_pretrained(path)
+    rng = random.Random(0)
+    for kind in ("code", "math", "reasoning"):
+        for s in generate_samples(kind, 5, seed=1):
+            prompt, reply = encode_sample(tok, s)
+            ids, n_prompt, learn = encode_training_sample(tok, s, rng, repeat_prob=1.0)
+            assert ids[:n_prompt] == prompt and len(learn) == len(ids) - n_prompt
+            # Dropping the masked copy gives back exactly the normal reply tokens.
+            assert [t for t, keep in zip(ids[n_prompt:], learn) if keep] == reply
+            copy = tok.decode([t for t, keep in zip(ids[n_prompt:], learn) if not keep])
+            assert copy.endswith("\n") and " to go: " in copy
+            # The copied line really appears twice in a row in what the model is trained on.
+            text = tok.decode(ids[n_prompt:])
+            assert copy + copy in text
+            same, _, _ = encode_training_sample(tok, s, rng, repeat_prob=0.0)
+            assert same == prompt + reply

@@ -1,0 +1,109 @@
+"""End to end through Dagster: a real instance, the embedded target served over HTTP by our /generate server,
+real Parquet shards, blocking checks, and the drafter trained and exported from the QC shards."""
+
+import json
+from pathlib import Path
+
+import dagster as dg
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from eagle_assets.definitions import PARTITION_JOB, TRAINING_JOB, build_definitions
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _catalog(tmp_path: Path) -> Path:
+    base = yaml.safe_load((REPO_ROOT / "catalogs" / "default.yaml").read_text())
+    b1 = base["partitions"]["B1_glaive"]
+    b1["sources"] = [{"path": str(REPO_ROOT / "catalogs" / "demo_data" / "B1_glaive.json"), "format": "glaive"}]
+    b1["limit"] = 12
+    cut = json.loads(json.dumps(b1))
+    cut["sampling"]["max_new_tokens"] = 6  # every reply is cut inside its reasoning
+    base["partitions"] = {"B1_glaive": b1, "B1_cut": cut}
+    base["training"].update({"epochs": 2, "max_length": 512, "batch_tokens": 2048, "holdout_fraction": 0.25,
+                             "acceptance_max_positions": 32})
+    path = tmp_path / "catalog.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pipeline(demo_target, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    defs = build_definitions(_catalog(tmp), storage_root=tmp / "store")
+    with dg.instance_for_test(temp_dir=str(tmp / "dagster_home")) as instance:
+        yield defs, instance, tmp / "store" / "catalog"
+
+
+def _check(result, name):
+    evals = [e.asset_check_evaluation_data for e in result.all_events
+             if e.event_type_value == "ASSET_CHECK_EVALUATION" and e.asset_check_evaluation_data.check_name == name]
+    assert len(evals) == 1, name
+    return evals[0]
+
+
+def test_partition_end_to_end(pipeline):
+    defs, instance, store = pipeline
+    result = defs.resolve_job_def(PARTITION_JOB).execute_in_process(partition_key="B1_glaive", instance=instance)
+    assert result.success
+    assert _check(result, "token_structure").passed and _check(result, "response_length").passed
+    prompts = pq.read_table(store / "tokenized_prompts" / "B1_glaive" / "prompts.parquet").to_pylist()
+    assert len(prompts) == 12
+    gens = {r["sample_id"]: r for r in pq.read_table(store / "generations" / "B1_glaive").to_pylist()}
+    assert set(gens) == {p["sample_id"] for p in prompts}
+    qc = pq.read_table(store / "qc_shards" / "B1_glaive" / "shard-00000.parquet").to_pylist()
+    assert qc, "no row survived QC"
+    by_id = {p["sample_id"]: p for p in prompts}
+    for row in qc:
+        prompt_ids, output_ids = by_id[row["sample_id"]]["prompt_ids"], gens[row["sample_id"]]["output_ids"]
+        # The training row is exactly prompt ids + the server's output ids, never re-tokenized text.
+        assert row["input_ids"] == prompt_ids + output_ids
+        assert row["loss_mask"] == [0] * len(prompt_ids) + [1] * len(output_ids)
+        assert row["tool_call_tokens"] > 0  # the demo target answers function-calling prompts with a tool call
+    report = (store / "length_report" / "report.md").read_text()
+    assert "| B1_glaive | total | 12 |" in report
+
+    # A second materialization of a finished partition sends no request.
+    again = dg.materialize(
+        [a for a in defs.assets if a.key.path == ["generations"]], partition_key="B1_glaive",
+        instance=instance, resources=defs.resources,
+    )
+    meta = again.asset_materializations_for_node("generations")[0].metadata
+    assert meta["requested"].value == 0 and meta["skipped_done"].value == 12
+
+
+def test_truncated_partition_fails_blocking_check_and_stops_downstream(pipeline):
+    defs, instance, store = pipeline
+    result = defs.resolve_job_def(PARTITION_JOB).execute_in_process(
+        partition_key="B1_cut", instance=instance, raise_on_error=False
+    )
+    assert not result.success
+    length = _check(result, "response_length")
+    assert not length.passed and length.severity == dg.AssetCheckSeverity.ERROR
+    assert length.metadata["share_truncated"].value == 1.0
+    structure = _check(result, "token_structure")
+    assert not structure.passed and structure.metadata["share_truncated_in_reasoning"].value == 1.0
+    assert result.asset_materializations_for_node("length_report") == []
+    status = json.loads((store / "qc_shards" / "B1_cut" / "qc_status.json").read_text())
+    assert status["passed"] is False
+
+
+def test_training_uses_passing_partitions_and_exports_valid_checkpoint(pipeline):
+    from eagle_assets.drafter.export import validate_checkpoint
+
+    defs, instance, store = pipeline
+    result = defs.resolve_job_def(TRAINING_JOB).execute_in_process(instance=instance)
+    assert result.success
+    vocab_meta = result.asset_materializations_for_node("draft_vocab")[0].metadata
+    assert "B1_cut" in vocab_meta["excluded_partitions"].value
+    ckpt = store / "drafter_checkpoint" / "checkpoint"
+    validate_checkpoint(ckpt)
+    assert _check(result, "export_contract").passed
+    metrics = json.loads((store / "drafter_checkpoint" / "training_metrics.json").read_text())["metrics"]
+    losses = [m["loss"] for m in metrics]
+    assert np.mean(losses[-3:]) < np.mean(losses[:3])
+    tau = _check(result, "acceptance_length").metadata["tau_B1_glaive"].value
+    assert tau >= 1.0
