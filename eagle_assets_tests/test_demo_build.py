@@ -15,7 +15,9 @@ from eagle_assets.demo.evaluate import generate_replies
 from eagle_assets.demo.transcripts import generate_samples
 
 # Seconds to build: a handful of optimizer steps on a few transcripts; the weights are garbage, the layout is real.
-TINY = DemoRecipe(train_counts=(("tool", 3), ("code", 3), ("math", 3), ("reasoning", 3)), tokenizer_corpus_per_kind=6, vocab_size=1024, batch_tokens=2048, warmup_steps=1)
+TINY = DemoRecipe(train_counts=(("tool", 1), ("code", 1), ("math", 1), ("reasoning", 1)), tokenizer_corpus_per_kind=4,
+                  vocab_size=1024, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                  batch_tokens=1024, warmup_steps=1)
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +30,13 @@ def test_build_is_cached_by_recipe_hash(tiny_target):
     root, path = tiny_target
     assert path == demo_target_path(root, TINY) and path.name == recipe_hash(TINY)[:16]
     meta = json.loads((path / "recipe.json").read_text())
-    assert meta["recipe_hash"] == recipe_hash(TINY) and meta["recipe"]["train_counts"] == [["tool", 3], ["code", 3], ["math", 3], ["reasoning", 3]]
+    assert meta["recipe_hash"] == recipe_hash(TINY) and meta["recipe"]["train_counts"] == [["tool", 1], ["code", 1], ["math", 1], ["reasoning", 1]]
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     t0 = time.monotonic()
     assert build_demo_target(root, recipe=TINY) == path
     assert time.monotonic() - t0 < 1.0
+    assert path.stat().st_mode & 0o777 == 0o755
+    assert all(f.stat().st_mode & 0o777 == 0o644 for f in path.iterdir())
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rebuilt
     # No temporary build directories left behind (only the target and its lock file).
     assert sorted(p.name for p in root.iterdir()) == sorted([path.name, f".{path.name}.lock"])

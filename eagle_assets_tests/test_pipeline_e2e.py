@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from eagle_assets.definitions import PARTITION_JOB, TRAINING_JOB, build_definitions
+from eagle_assets.storage import read_shards
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +35,7 @@ def _catalog(tmp_path: Path) -> Path:
 def pipeline(demo_target, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     defs = build_definitions(_catalog(tmp), storage_root=tmp / "store")
+    (tmp / "dagster_home").mkdir()
     with dg.instance_for_test(temp_dir=str(tmp / "dagster_home")) as instance:
         yield defs, instance, tmp / "store" / "catalog"
 
@@ -52,7 +54,7 @@ def test_partition_end_to_end(pipeline):
     assert _check(result, "token_structure").passed and _check(result, "response_length").passed
     prompts = pq.read_table(store / "tokenized_prompts" / "B1_glaive" / "prompts.parquet").to_pylist()
     assert len(prompts) == 12
-    gens = {r["sample_id"]: r for r in pq.read_table(store / "generations" / "B1_glaive").to_pylist()}
+    gens = {r["sample_id"]: r for r in read_shards(store / "generations" / "B1_glaive").to_pylist()}
     assert set(gens) == {p["sample_id"] for p in prompts}
     qc = pq.read_table(store / "qc_shards" / "B1_glaive" / "shard-00000.parquet").to_pylist()
     assert qc, "no row survived QC"
