@@ -104,7 +104,7 @@ def test_training_uses_passing_partitions_and_exports_valid_checkpoint(pipeline)
     ckpt = store / "drafter_checkpoint" / "checkpoint"
     validate_checkpoint(ckpt)
     assert _check(result, "export_contract").passed
-    metrics = json.loads((store / "drafter_checkpoint" / "training_metrics.json").read_text())["metrics"]
+    metrics = json.loads((store / "drafter_checkpoint" / "training_metrics.json").read_text())["steps"]
     losses = [m["loss"] for m in metrics]
     assert np.mean(losses[-3:]) < np.mean(losses[:3])
     tau = _check(result, "acceptance_length").metadata["tau_B1_glaive"].value
