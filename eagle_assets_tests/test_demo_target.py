@@ -1,7 +1,7 @@
 """The default demo target really writes the reply structure on prompts from the committed demo files.
 
-Uses the default cache ($EAGLE_ASSETS_HOME/demo-target, else <cwd>/.eagle_assets/demo-target): the first run on a
-machine builds the target (about two minutes on 2 cores), later runs reuse it.
+Uses conftest's session-scoped ``demo_target`` (default cache $EAGLE_ASSETS_HOME/demo-target, else
+<cwd>/.eagle_assets/demo-target): the first run on a machine builds it (about two minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import statistics
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle_assets.demo.build import build_demo_target, encode_sample
+from eagle_assets.demo.build import encode_sample
 from eagle_assets.demo.evaluate import check_reply, generate_replies
 from eagle_assets.demo.raw_samples import prompt_samples
 from eagle_assets.demo.transcripts import KINDS
@@ -20,9 +20,8 @@ pytestmark = pytest.mark.slow  # over a minute when the target is not cached yet
 
 
 @pytest.fixture(scope="module")
-def target():
-    path = build_demo_target()
-    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
+def target(demo_target):
+    return AutoTokenizer.from_pretrained(demo_target), AutoModelForCausalLM.from_pretrained(demo_target).eval()
 
 
 def test_structure_and_lengths_on_demo_prompts(target):

@@ -119,3 +119,29 @@ def test_saved_tokenizer_reloads_with_template(tokenizer, tmp_path):
     a = tokenizer.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=False)
     assert again.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=False) == a
     assert again(a, add_special_tokens=False)["input_ids"] == tokenizer(a, add_special_tokens=False)["input_ids"]
+
+
+def test_check_reply_rules(tokenizer):
+    from eagle_assets.demo.evaluate import check_reply
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    tool = generate_samples("tool", 1, seed=0)[0]
+    math = generate_samples("math", 1, seed=0)[0]
+    good_tool, good_math = completion_text(tool), completion_text(math)
+    assert check_reply(ids(good_tool), tokenizer, expect_tool_call=True).ok
+    ok = check_reply(ids(good_math), tokenizer, expect_tool_call=False)
+    assert ok.ok and ok.n_tokens == len(ids(good_math)) and 0 < ok.n_reasoning_tokens < ok.n_tokens
+    cases = {
+        "no_stop": (good_math.removesuffix("<|im_end|>"), False),
+        "think_end_count": (good_math.replace("</think>", "</think></think>"), False),
+        "think_start": ("<think>" + good_math, False),
+        "empty_answer": ("\nreasoning\n</think>\n\n<|im_end|>", False),
+        "unexpected_tool_call": (good_tool, False),
+        "tool_call_missing": (good_math, True),
+        "tool_call_json": (good_tool.replace('"arguments": {', '"arguments": {{'), True),
+    }
+    for reason, (text, expect_tool) in cases.items():
+        verdict = check_reply(ids(text), tokenizer, expect_tool_call=expect_tool)
+        assert (verdict.ok, verdict.reason) == (False, reason), text[-120:]

@@ -167,20 +167,24 @@ def test_concurrent_requests_share_forward_batches_and_match_single_requests(ser
 
 
 def test_event_loop_answers_while_a_batch_decodes(server):
+    # Poll instead of sleeping a fixed time: on an idle machine the whole batch may decode in well under a second.
     async def scenario():
         long = [asyncio.ensure_future(_post(server.url, {"input_ids": _prompt(i, 5), "sampling_params": {
             "max_new_tokens": 150, "temperature": 0, "ignore_eos": True}})) for i in range(8)]
-        await asyncio.sleep(0.3)
-        t0 = time.perf_counter()
-        status, info = await _get(server.url, "/get_server_info")
-        waited = time.perf_counter() - t0
-        running = json.loads(info)["running"]
+        seen_running, slowest, statuses = 0, 0.0, set()
+        while not all(f.done() for f in long):
+            t0 = time.perf_counter()
+            status, info = await _get(server.url, "/get_server_info")
+            slowest = max(slowest, time.perf_counter() - t0)
+            statuses.add(status)
+            seen_running = max(seen_running, json.loads(info)["running"])
+            await asyncio.sleep(0.005)
         results = await asyncio.gather(*long)
-        return status, waited, running, results
+        return statuses, slowest, seen_running, results
 
-    status, waited, running, results = asyncio.run(scenario())
-    assert status == 200 and running > 0  # answered while sequences were decoding
-    assert waited < 1.0
+    statuses, slowest, running, results = asyncio.run(scenario())
+    assert statuses == {200} and running > 0  # answered while sequences were decoding
+    assert slowest < 1.0
     assert all(s == 200 and r["meta_info"]["completion_tokens"] == 150 for s, r in results)
 
 
@@ -189,7 +193,7 @@ def test_client_disconnect_cancels_the_request(server):
     cancelled_before = info()["engine"]["requests_cancelled"]
     with pytest.raises(asyncio.TimeoutError):
         asyncio.run(_post(server.url, {"input_ids": _prompt(1, 5), "sampling_params": {
-            "max_new_tokens": 190, "temperature": 0, "ignore_eos": True}}, timeout=0.3))
+            "max_new_tokens": 190, "temperature": 0, "ignore_eos": True}}, timeout=0.03))
     deadline = time.monotonic() + 10
     while info()["engine"]["requests_cancelled"] == cancelled_before and time.monotonic() < deadline:
         time.sleep(0.05)

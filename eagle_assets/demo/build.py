@@ -155,6 +155,11 @@ def build_demo_target(cache_root: Path | None = None, force: bool = False, recip
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
             _build_into(tmp, recipe, digest, log)
+            # mkdtemp makes the directory 0700 and safetensors writes 0600; servers running as another user must
+            # be able to read the target, as they can a normal model download.
+            tmp.chmod(0o755)
+            for f in tmp.iterdir():
+                f.chmod(0o644)
             if final.exists():
                 old = final.with_name(f".{final.name}.old-{os.getpid()}-{time.time_ns()}")
                 final.rename(old)
