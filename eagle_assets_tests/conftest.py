@@ -21,3 +21,14 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"../shared/data is absent ({SHARED_DATA}): the real public samples are not on this machine")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matrices: one torch thread is faster and unaffected by other processes competing for the cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
+from transformers import AutoConfig
 
 from eagle_assets.drafter.export import (
     EXPECTED_KEYS,
@@ -22,37 +22,20 @@ from eagle_assets.drafter.export import (
 from eagle_assets.drafter.features import aux_layer_ids
 from eagle_assets.drafter.model import DrafterConfig, Eagle3DraftModel
 from eagle_assets.drafter.vocab import build_draft_vocab
+from tiny_targets import tiny_qwen3
 
 VOCAB, HIDDEN, LAYERS, DRAFT = 300, 64, 8, 120
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices: one thread is faster and unaffected by other processes competing for the cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    pass
 
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return AutoModelForCausalLM.from_config(config).eval()
+    return tiny_qwen3(VOCAB, LAYERS, hidden_size=HIDDEN, bos_token_id=1, eos_token_id=2,
+                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, Qwen3Config
 
 from eagle_assets.drafter import model as drafter_model
 from eagle_assets.drafter.features import (
@@ -20,36 +19,21 @@ from eagle_assets.drafter.features import (
 )
 from eagle_assets.drafter.model import DrafterConfig, Eagle3DraftModel
 from eagle_assets.drafter.train import drafter_rows, soft_cross_entropy, teacher_positions
+from tiny_targets import tiny_qwen3
 
 VOCAB = 300
 LAYERS = 8
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices: one thread is faster and unaffected by other processes competing for the cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    pass
 
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-        initializer_range=1.0,  # peaked next-token distributions, so greedy paths are stable
-    )
-    return AutoModelForCausalLM.from_config(config).eval()
+    # initializer_range 1.0: peaked next-token distributions, so greedy paths are stable
+    return tiny_qwen3(VOCAB, LAYERS, initializer_range=1.0)
 
 
 @pytest.fixture(scope="module")

@@ -9,42 +9,27 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM
 
 from eagle_assets.drafter.acceptance import completion_segments, simulate_acceptance
 from eagle_assets.drafter.export import load_drafter, validate_checkpoint
 from eagle_assets.drafter.train import TrainConfig, train_drafter
 from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
+from tiny_targets import tiny_qwen3
 
 VOCAB, LAYERS, PROMPT = 300, 8, 12
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices: one thread is faster and unaffected by other processes competing for the cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    pass
 
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-        initializer_range=1.0,  # peaked next-token distributions: something for the drafter to learn
-    )
     path = tmp_path_factory.mktemp("target")
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    # initializer_range 1.0: peaked next-token distributions, something for the drafter to learn
+    tiny_qwen3(VOCAB, LAYERS, initializer_range=1.0).save_pretrained(path)
     return path
 
 
