@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.generation import FAILURES_FILE, PartitionBusyError, run_generation
+from eagle_assets.storage import read_done_ids
 from eagle_assets.serving.resource import SGLangServerResource
 
 
@@ -70,15 +71,17 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
             stop_token_ids=list(profile.stop_ids),
             skip_special_tokens=False,
         )
-        urls = sglang.base_urls(str(model_dir))
+        # A finished partition needs no server: do not launch one just to send nothing.
+        pending = config.regenerate or not {sid for sid, _ in prompts} <= read_done_ids(out)
+        urls = sglang.base_urls(str(model_dir)) if pending else []
         client = GenerateClient(
             urls,
             concurrency_per_server=catalog.server.concurrency,
             timeout_s=catalog.server.timeout_s,
             api_key_env=sglang.api_key_env,
-        )
-        shown_urls = [client.redact(u) for u in urls]
-        context.log.info(f"generating {len(prompts)} prompts of {key} against {shown_urls}")
+        ) if pending else None
+        shown_urls = [client.redact(u) for u in urls] if client else []
+        context.log.info(f"generating {len(prompts)} prompts of {key} against {shown_urls or 'no server (all done)'}")
         try:
             stats = run_generation(
                 prompts, out, client, sampling, _target_vocab_size(model_dir), progress=context.log.info,
