@@ -27,6 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from eagle_assets.formats import FormatError, known_formats, resolve_format
+from eagle_assets.quality.segment import DROP_REASONS
 from eagle_assets.target.profile import OVERRIDE_KEYS as PROFILE_OVERRIDE_KEYS
 
 PARTITION_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*$")
@@ -113,8 +114,26 @@ class SamplingSpec(_Strict):
         return v
 
 
+class ShareLevels(_Strict):
+    """WARN and ERROR levels for one share (fractions 0..1; None = not checked at that level)."""
+
+    warn: float | None = Field(None, ge=0, le=1)
+    error: float | None = Field(None, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _warn_below_error(self) -> ShareLevels:
+        if self.warn is not None and self.error is not None and self.warn > self.error:
+            raise ValueError(f"warn ({self.warn}) is above error ({self.error}); the warning level must not exceed the error level")
+        return self
+
+
 class Thresholds(_Strict):
-    """Length gates of a partition (token counts of the completion; shares are fractions 0..1)."""
+    """Length and structure gates of a partition (token counts of the completion; shares are fractions 0..1).
+
+    ``max_share_by_reason`` sets WARN / ERROR levels for single drop reasons (names from
+    ``quality.segment.DROP_REASONS``), e.g. ``{missing_think_end: {warn: 0.02, error: 0.1}}``, on top of the total
+    ``max_share_dropped_*`` levels.
+    """
 
     short_tokens: int = Field(300, gt=0)
     min_median_tokens: int = Field(20, ge=0)
@@ -124,14 +143,40 @@ class Thresholds(_Strict):
     max_share_truncated_error: float = Field(0.1, ge=0, le=1)
     max_share_dropped_warn: float = Field(0.05, ge=0, le=1)
     max_share_dropped_error: float = Field(0.2, ge=0, le=1)
+    max_share_by_reason: dict[str, ShareLevels] = Field(default_factory=dict)
+
+    @field_validator("max_share_by_reason")
+    @classmethod
+    def _known_reasons(cls, v: dict[str, ShareLevels]) -> dict[str, ShareLevels]:
+        unknown = sorted(set(v) - set(DROP_REASONS))
+        if unknown:
+            raise ValueError(f"unknown drop reason(s) {unknown}; use names from {list(DROP_REASONS)}")
+        return v
 
     @model_validator(mode="after")
     def _warn_below_error(self) -> Thresholds:
-        for kind in ("short", "truncated"):
+        for kind in ("short", "truncated", "dropped"):
             warn, err = getattr(self, f"max_share_{kind}_warn"), getattr(self, f"max_share_{kind}_error")
             if warn > err:
                 raise ValueError(f"max_share_{kind}_warn ({warn}) is above max_share_{kind}_error ({err}); the warning level must not exceed the error level")
         return self
+
+
+class LiveSpec(_Strict):
+    """Live quality monitoring while a partition generates (see ``quality.live``).
+
+    After ``warmup_rows`` generated rows, the running figures are compared with the partition's ``thresholds``
+    every ``report_every_rows`` rows: a WARN-level breach is logged with example sample ids; an ERROR-level
+    structural breach (share dropped, or a per-reason ERROR level) stops the partition when ``fail_fast`` is set,
+    keeping every row already generated. The stats reach the Dagster log at most every ``log_every_s`` seconds and
+    ``live_stats.json`` beside the shards at every report.
+    """
+
+    warmup_rows: int = Field(50, gt=0)
+    report_every_rows: int = Field(25, gt=0)
+    log_every_s: float = Field(30.0, gt=0)
+    fail_fast: bool = True
+    example_ids: int = Field(3, ge=0)
 
 
 class SourceSpec(_Strict):
@@ -164,6 +209,7 @@ class PartitionSpec(_Strict):
     seed: int = 0
     max_prompt_tokens: int | None = Field(2048, gt=0)
     thresholds: Thresholds = Field(default_factory=Thresholds)
+    live: LiveSpec = Field(default_factory=LiveSpec)
 
     _base_dir: Path = PrivateAttr(default=Path("."))
     _key: str = PrivateAttr(default="")
@@ -194,6 +240,38 @@ class PartitionSpec(_Strict):
         return out
 
 
+class BucketCap(_Strict):
+    """At most ``max_share`` of the mix's completion tokens may come from rows with fewer than ``below_tokens``
+    completion tokens."""
+
+    below_tokens: int = Field(gt=0)
+    max_share: float = Field(ge=0, le=1)
+
+
+class MixSpec(_Strict):
+    """The ``training_mix`` asset: which QC rows the drafter trains on (see ``drafter.mix``).
+
+    ``mode``: "balanced" (per-partition weights and length-bucket caps) or "concat" (rows of every partition in
+    catalog order until the budget is spent: the unbalanced baseline). ``token_budget``: completion (loss) tokens
+    of the mix; null = every training row's tokens. ``weights``: relative token share per partition key (missing
+    keys weigh 1.0). ``bucket_caps``: caps on the share of tokens from short rows. ``seed``: row order.
+    """
+
+    mode: Literal["balanced", "concat"] = "balanced"
+    token_budget: int | None = Field(None, gt=0)
+    weights: dict[str, float] = Field(default_factory=dict)
+    bucket_caps: list[BucketCap] = Field(default_factory=list)
+    seed: int = 0
+
+    @field_validator("weights")
+    @classmethod
+    def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: w for k, w in v.items() if w < 0}
+        if bad:
+            raise ValueError(f"weights must be >= 0 (got {bad}); 0 leaves a partition out of the mix")
+        return v
+
+
 class TrainingSpec(_Strict):
     """Drafter training settings (EAGLE-3 defaults: 7 TTT steps, 32k draft vocab)."""
 
@@ -211,6 +289,7 @@ class TrainingSpec(_Strict):
     min_tau_margin: float = Field(0.05, ge=0)  # ERROR when mean tau <= 1 + margin: the drafter is useless
     tau_warn: float = Field(1.5, ge=1)  # WARN under this mean tau
     warmup_steps: int = Field(0, ge=0)
+    mix: MixSpec = Field(default_factory=MixSpec)
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -287,7 +366,7 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     for item in loc:
         if isinstance(item, int):
             parts[-1:] = [f"{parts[-1]}[{item}]"] if parts else [f"[{item}]"]
-        elif str(item) in ("str", "list[str]", "function-after[_warn_below_error(), Thresholds]"):
+        elif str(item) in ("str", "list[str]") or str(item).startswith("function-after["):
             continue  # pydantic union/validator branch labels, not fields
         else:
             parts.append(str(item))
@@ -296,7 +375,8 @@ def _field_path(loc: tuple[Any, ...]) -> str:
 
 def _all_field_names() -> set[str]:
     names: set[str] = set()
-    for model in (TargetSpec, ServerSpec, SamplingSpec, Thresholds, SourceSpec, PartitionSpec, TrainingSpec, Catalog):
+    for model in (TargetSpec, ServerSpec, SamplingSpec, Thresholds, ShareLevels, LiveSpec, SourceSpec, PartitionSpec,
+                  BucketCap, MixSpec, TrainingSpec, Catalog):
         names.update(model.model_fields)
     return names
 

@@ -58,3 +58,19 @@ def test_token_structure_levels():
     assert evaluate_token_structure([None] * 20, th).level == "OK"
     bad = evaluate_token_structure([None] * 7 + ["missing_think_end"] * 3, th)
     assert not bad.passed and bad.figures["share_missing_think_end"] == 0.3
+
+
+def test_token_structure_levels_per_reason():
+    """A single reason can WARN or fail the check under its own level while the total stays within its levels."""
+    th = {"max_share_dropped_warn": 0.5, "max_share_dropped_error": 0.9,
+          "max_share_by_reason": {"missing_think_end": {"warn": 0.05, "error": 0.15}, "empty_answer": {"warn": 0.01}}}
+    rows = [None] * 90 + ["missing_think_end"] * 10
+    warn = evaluate_token_structure(rows, th)
+    assert warn.passed and warn.level == "WARN"
+    assert [(f.figure, f.threshold, f.level) for f in warn.findings] == [("share_missing_think_end", 0.05, "WARN")]
+    assert warn.figures["share_empty_answer"] == 0.0  # a reason with a level is shown even at zero
+    err = evaluate_token_structure([None] * 80 + ["missing_think_end"] * 20, th)
+    assert not err.passed and err.level == "ERROR"
+    assert ("share_missing_think_end", 0.2, 0.15, "ERROR") in [(f.figure, f.value, f.threshold, f.level) for f in err.findings]
+    assert evaluate_token_structure([None] * 99 + ["empty_answer"], th).level == "OK"  # 0.01 is not above 0.01
+    assert evaluate_token_structure([None] * 98 + ["empty_answer"] * 2, th).level == "WARN"

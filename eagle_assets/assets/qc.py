@@ -12,7 +12,7 @@ from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.quality.lengths import format_table, length_report as compute_length_report
 from eagle_assets.quality.plots import length_histogram_png, png_markdown
 from eagle_assets.quality.segment import DROP_REASONS, segment_output
-from eagle_assets.quality.thresholds import Outcome, evaluate_response_length, evaluate_token_structure
+from eagle_assets.quality.thresholds import Outcome, evaluate_response_length, evaluate_token_structure, reason_levels
 from eagle_assets.storage import read_shards, write_json_atomic, write_parquet_atomic
 
 QC_SCHEMA = pa.schema(
@@ -65,6 +65,8 @@ def _check_metadata(outcome: Outcome, thresholds: dict, extra: dict | None = Non
         stem = name.replace("share_", "")
         warn = thresholds.get(f"max_share_{stem}_warn")
         err = thresholds.get(f"max_share_{stem}_error")
+        if stem in (thresholds.get("max_share_by_reason") or {}):
+            warn, err = reason_levels(thresholds, stem)
         if name == "median_tokens":
             warn, err = thresholds.get("min_median_tokens"), None
         shown = f"{value:.4g}" if isinstance(value, float) else str(value)

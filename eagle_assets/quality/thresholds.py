@@ -94,19 +94,35 @@ def evaluate_response_length(
     return _outcome(figures, findings)
 
 
+def reason_levels(thresholds: Any, reason: str) -> tuple[float | None, float | None]:
+    """(warn, error) share levels of one drop reason from ``thresholds.max_share_by_reason`` (None = unchecked)."""
+    by_reason = _get(thresholds, "max_share_by_reason", None) or {}
+    levels = by_reason.get(reason) if isinstance(by_reason, Mapping) else None
+    if levels is None:
+        return None, None
+    return _get(levels, "warn", None), _get(levels, "error", None)
+
+
 def evaluate_token_structure(drop_reasons: Sequence[str | None], thresholds: Any) -> Outcome:
     """``token_structure``: share of rows dropped, in total and per drop reason.
 
     ``drop_reasons`` has one entry per generated row (None for kept rows). ``thresholds`` gives
-    ``max_share_dropped_warn`` / ``max_share_dropped_error`` (defaults 0.05 / 0.2).
+    ``max_share_dropped_warn`` / ``max_share_dropped_error`` (defaults 0.05 / 0.2) for the total and, in
+    ``max_share_by_reason``, ``{reason: {warn, error}}`` levels for single reasons. Every reason with a level
+    appears in the figures, with share 0.0 when no row has it.
     """
     n = len(drop_reasons)
     if n == 0:
         return _outcome({"count": 0}, [Finding("count", 0, 1, "ERROR", "<")])
     counts = Counter(r for r in drop_reasons if r)
+    by_reason = _get(thresholds, "max_share_by_reason", None) or {}
     figures: dict[str, float] = {"count": float(n), "share_dropped": sum(counts.values()) / n}
-    figures.update({f"share_{reason}": c / n for reason, c in sorted(counts.items())})
+    for reason in sorted(set(counts) | set(by_reason)):
+        figures[f"share_{reason}"] = counts.get(reason, 0) / n
     findings: list[Finding] = []
     _above(findings, "share_dropped", figures["share_dropped"],
            _get(thresholds, "max_share_dropped_warn", 0.05), _get(thresholds, "max_share_dropped_error", 0.2))
+    for reason in sorted(by_reason):
+        warn, error = reason_levels(thresholds, reason)
+        _above(findings, f"share_{reason}", figures[f"share_{reason}"], warn, error)
     return _outcome(figures, findings)
