@@ -23,7 +23,7 @@ from eagle_assets.storage import default_storage_root
 PARTITION_JOB = "partition_job"
 TRAINING_JOB = "training_job"
 PARTITION_ASSETS = ["raw_prompts", "tokenized_prompts", "generations", "qc_shards", "length_report"]
-TRAINING_ASSETS = ["draft_vocab", "drafter_checkpoint"]
+TRAINING_ASSETS = ["draft_vocab", "training_mix", "drafter_checkpoint"]
 # Generation is per partition (its own prompts, sampling and server load), and a failed partition must not fail the
 # others: an asset backfill launches one run per partition (README "Backfills").
 PARTITION_BACKFILL_POLICY = dg.BackfillPolicy.multi_run(max_partitions_per_run=1)
@@ -57,7 +57,6 @@ def build_definitions(
     partition_job = dg.define_asset_job(
         PARTITION_JOB,
         selection=dg.AssetSelection.assets(*PARTITION_ASSETS),
-        partitions_def=partitions_def,
         executor_def=dg.in_process_executor,
         description="One dataset partition from raw prompts to QC shards, then the refreshed length report.",
     )
@@ -65,7 +64,7 @@ def build_definitions(
         TRAINING_JOB,
         selection=dg.AssetSelection.assets(*TRAINING_ASSETS),
         executor_def=dg.in_process_executor,
-        description="Draft vocab and EAGLE-3 drafter checkpoint from every partition whose QC passed.",
+        description="Draft vocab, training mix and EAGLE-3 drafter checkpoint from every partition whose QC passed.",
     )
     server = catalog.server
     if sglang is None:

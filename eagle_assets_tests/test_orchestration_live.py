@@ -255,7 +255,7 @@ def test_planted_api_key_never_reaches_event_logs_metadata_or_files(deployment, 
 
 
 ASSETS = ["raw_prompts", "tokenized_prompts", "generations", "qc_shards", "length_report", "draft_vocab",
-          "drafter_checkpoint"]
+          "training_mix", "drafter_checkpoint"]
 
 
 def _wait_http(url: str, timeout: float = 120) -> None:

@@ -26,6 +26,7 @@ def _catalog(tmp_path: Path) -> Path:
     base["partitions"] = {"B1_glaive": b1, "B1_cut": cut}
     base["training"].update({"epochs": 2, "max_length": 512, "batch_tokens": 2048, "holdout_fraction": 0.25,
                              "acceptance_max_positions": 32})
+    base["training"]["mix"]["bucket_caps"] = []  # B1 rows are all short: a cap on short rows would leave none
     path = tmp_path / "catalog.yaml"
     path.write_text(yaml.safe_dump(base))
     return path
@@ -101,6 +102,10 @@ def test_training_uses_passing_partitions_and_exports_valid_checkpoint(pipeline)
     assert result.success
     vocab_meta = result.asset_materializations_for_node("draft_vocab")[0].metadata
     assert "B1_cut" in vocab_meta["excluded_partitions"].value
+    mix_meta = result.asset_materializations_for_node("training_mix")[0].metadata
+    ckpt_meta = result.asset_materializations_for_node("drafter_checkpoint")[0].metadata
+    assert mix_meta["dagster/row_count"].value == ckpt_meta["train_rows"].value > 0  # the drafter trains on the mix
+    assert "B1_cut" in mix_meta["excluded_partitions"].value
     ckpt = store / "drafter_checkpoint" / "checkpoint"
     validate_checkpoint(ckpt)
     assert _check(result, "export_contract").passed
@@ -109,3 +114,19 @@ def test_training_uses_passing_partitions_and_exports_valid_checkpoint(pipeline)
     assert np.mean(losses[-3:]) < np.mean(losses[:3])
     tau = _check(result, "acceptance_length").metadata["tau_B1_glaive"].value
     assert tau >= 1.0
+
+
+def test_training_mix_that_caps_every_row_away_fails_with_advice(pipeline, tmp_path):
+    defs, instance, store = pipeline
+    settings = defs.resources["settings"]
+    capped = yaml.safe_load(Path(settings.catalog_path).read_text())
+    capped["training"]["mix"]["bucket_caps"] = [{"below_tokens": 300, "max_share": 0.3}]
+    path = tmp_path / "catalog.yaml"  # same stem: the same storage directory as the pipeline fixture
+    path.write_text(yaml.safe_dump(capped))
+    capped_defs = build_definitions(path, storage_root=settings.storage_root)
+    result = capped_defs.resolve_job_def(TRAINING_JOB).execute_in_process(instance=instance, raise_on_error=False)
+    assert not result.success
+    failure = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"][0]
+    assert failure.step_key == "training_mix"
+    assert "the training mix is empty" in failure.event_specific_data.error.message
+    assert "loosen the caps" in failure.event_specific_data.error.message

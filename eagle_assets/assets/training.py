@@ -1,4 +1,4 @@
-"""Assets ``draft_vocab`` and ``drafter_checkpoint`` (with checks ``export_contract`` and ``acceptance_length``)."""
+"""Assets ``draft_vocab``, ``training_mix`` and ``drafter_checkpoint`` (checks ``export_contract``, ``acceptance_length``)."""
 
 
 import hashlib
@@ -33,6 +33,24 @@ def load_training_rows(settings: PipelineSettings, keys: list[str], holdout: boo
                                   t.column("loss_mask").to_pylist()):
             if is_holdout(sid, training.holdout_fraction, training.seed) == holdout:
                 out.append((sid, np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.int8), key))
+    return out
+
+
+def mix_candidates(settings: PipelineSettings, keys: list[str]):
+    """Every training (non-held-out) QC row of ``keys`` as a ``MixCandidate`` (completion tokens = loss tokens)."""
+    import pyarrow.compute as pc
+
+    from eagle_assets.drafter.mix import MixCandidate
+
+    training = settings.catalog().training
+    out = []
+    for key in keys:
+        t = pq.read_table(settings.layout().base / "qc_shards" / key / "shard-00000.parquet",
+                          columns=["sample_id", "input_ids", "n_prompt_tokens"])
+        lengths = pc.subtract(pc.list_value_length(t.column("input_ids")), t.column("n_prompt_tokens")).to_pylist()
+        for sid, n in zip(t.column("sample_id").to_pylist(), lengths):
+            if not is_holdout(sid, training.holdout_fraction, training.seed):
+                out.append(MixCandidate(key, sid, int(n)))
     return out
 
 
@@ -88,9 +106,62 @@ def build_training_assets() -> list:
             "path": dg.MetadataValue.path(str(out)),
         })
 
+    @dg.asset(group_name="drafter", deps=["qc_shards"], kinds={"parquet"})
+    def training_mix(context: dg.AssetExecutionContext, settings: PipelineSettings) -> dg.MaterializeResult:
+        """Rows the drafter trains on: a token budget split by partition weights, with caps on short-row buckets."""
+        import pyarrow as pa
+
+        from eagle_assets.drafter.mix import build_mix, mix_png, mix_table_markdown
+        from eagle_assets.quality.plots import png_markdown
+        from eagle_assets.storage import write_parquet_atomic
+
+        keys, excluded = passing_partitions(settings)
+        if not keys:
+            raise dg.Failure(
+                description="no partition has passing QC shards: materialize partition_job for at least one "
+                "partition and fix its failed checks first",
+                metadata={"excluded": dg.MetadataValue.json(excluded)},
+            )
+        spec = settings.catalog().training.mix
+        result = build_mix(mix_candidates(settings, keys), spec, partitions=keys)
+        for note in result.notes:
+            context.log.warning(f"training mix: {note}")
+        if not result.selected:
+            raise dg.Failure(
+                description="the training mix is empty: no row fits training.mix (token_budget "
+                f"{result.budget}, weights {dict(spec.weights)}, bucket_caps "
+                f"{[c.model_dump() for c in spec.bucket_caps]}); with only short partitions, a cap on short rows "
+                "leaves nothing -- loosen the caps or add long-reasoning partitions",
+                metadata={"notes": dg.MetadataValue.json(result.notes), "before": dg.MetadataValue.json(result.before)},
+            )
+        out = settings.layout().stage_dir("training_mix")
+        write_parquet_atomic(pa.Table.from_pylist(
+            [{"order": i, "partition": c.partition, "sample_id": c.sample_id, "tokens": c.tokens}
+             for i, c in enumerate(result.selected)],
+            schema=pa.schema([("order", pa.int32()), ("partition", pa.string()), ("sample_id", pa.string()),
+                              ("tokens", pa.int32())])), out / "mix.parquet")
+        summary = {"mode": spec.mode, "budget": result.budget, "tokens": result.tokens, "rows": len(result.selected),
+                   "partitions": keys, "excluded": excluded, "buckets": result.buckets, "before": result.before,
+                   "after": result.after, "notes": result.notes}
+        write_json_atomic(summary, out / "summary.json")
+        png = mix_png(result)
+        (out / "mix.png").write_bytes(png)
+        return dg.MaterializeResult(metadata={
+            "dagster/row_count": len(result.selected),
+            "mode": spec.mode,
+            "token_budget": result.budget,
+            "tokens": result.tokens,
+            **{f"share_tokens_{b}": round(result.share(result.after, bucket=b), 4) for b in result.buckets},
+            "mix": dg.MetadataValue.md(mix_table_markdown(result)),
+            "plot": dg.MetadataValue.md(png_markdown(png, "training mix before / after")),
+            "notes": dg.MetadataValue.json(result.notes),
+            "excluded_partitions": dg.MetadataValue.json(excluded),
+            "path": dg.MetadataValue.path(str(out)),
+        })
+
     @dg.asset(
         group_name="drafter",
-        deps=[draft_vocab],
+        deps=[draft_vocab, training_mix],
         kinds={"pytorch", "safetensors"},
         check_specs=[
             dg.AssetCheckSpec("export_contract", asset="drafter_checkpoint",
@@ -114,7 +185,7 @@ def build_training_assets() -> list:
         vocab_dir = settings.layout().base / "draft_vocab"
         vocab = draft_vocab_from_arrays(np.load(vocab_dir / "d2t.npy"), np.load(vocab_dir / "t2d.npy"),
                                         np.load(vocab_dir / "token_counts.npy"))
-        rows = load_training_rows(settings, keys, holdout=False)
+        rows = mixed_training_rows(settings, keys)
         held = load_training_rows(settings, keys, holdout=True)
         model_dir = target.resolve()
         out = settings.layout().stage_dir("drafter_checkpoint")
@@ -172,7 +243,25 @@ def build_training_assets() -> list:
                       **{f"tau_{k}": v["tau"] for k, v in per_partition.items()}},
         )
 
-    return [draft_vocab, drafter_checkpoint]
+    return [draft_vocab, training_mix, drafter_checkpoint]
+
+
+def mixed_training_rows(settings: PipelineSettings, keys: list[str]):
+    """The training rows the ``training_mix`` asset chose, in its order (partitions of ``keys`` only).
+
+    Raises dg.Failure when the mix is missing or names rows the QC shards no longer hold (re-materialize
+    ``training_mix``)."""
+    mix_file = settings.layout().base / "training_mix" / "mix.parquet"
+    if not mix_file.exists():
+        raise dg.Failure(description=f"{mix_file} does not exist: materialize training_mix first (training_job does)")
+    mix = pq.read_table(mix_file, columns=["partition", "sample_id"]).to_pylist()
+    by_id = {(k, sid): (sid, ids, mask, k) for sid, ids, mask, k in load_training_rows(settings, keys, holdout=False)}
+    chosen = [(m["partition"], m["sample_id"]) for m in mix if m["partition"] in keys]
+    missing = [c for c in chosen if c not in by_id]
+    if missing:
+        raise dg.Failure(description=f"training_mix names {len(missing)} rows that the QC shards no longer hold "
+                         f"(e.g. {missing[:3]}): re-materialize training_mix after qc_shards changed")
+    return [by_id[c] for c in chosen]
 
 
 def _bounded_log(log, every_s: float = 5.0):

@@ -38,19 +38,20 @@ class LengthRow:
 
 
 def length_report(
-    rows_files: Sequence[Path], short_tokens: int = 300, long_tokens: int = 1000
+    rows_files: Sequence[Path], short_tokens: int = 300, long_tokens: int = 1000, threads: int | None = None
 ) -> list[LengthRow]:
     """Compute the length table over ``rows_files`` with DuckDB.
 
     Every generated row counts (kept or dropped), so truncation shows; ``at_cap`` counts rows whose
     ``completion_tokens`` reached ``max_new_tokens``. Quantiles are DuckDB's ``quantile_cont`` (linear).
+    ``threads`` caps DuckDB's worker threads (None = DuckDB's default, one per core).
     Returns rows sorted by partition then span ("total", "reasoning", "answer"); empty for no files.
     Raises ``duckdb.Error`` when a file is not a readable rows table.
     """
     files = [str(Path(f)) for f in rows_files if Path(f).exists()]
     if not files:
         return []
-    con = duckdb.connect()
+    con = duckdb.connect(config={"threads": threads} if threads else {})
     try:
         con.read_parquet(files, union_by_name=True).create_view("r")
         spans = {"total": "completion_tokens", "reasoning": "reasoning_tokens", "answer": "answer_tokens"}

@@ -1,0 +1,102 @@
+"""The length-aware training mix: budget, weights, bucket caps, determinism, and the unbalanced baseline."""
+
+import random
+
+import pytest
+
+from eagle_assets.catalog import MixSpec
+from eagle_assets.drafter.mix import MixCandidate, bucket_labels, build_mix, mix_png, mix_table_markdown
+
+
+def _rows(partition: str, n: int, lo: int, hi: int, seed: int) -> list[MixCandidate]:
+    rng = random.Random(seed)
+    return [MixCandidate(partition, f"{partition}-{i}", rng.randint(lo, hi)) for i in range(n)]
+
+
+@pytest.fixture
+def candidates():
+    # A short-answer set with many rows beside two long-reasoning sets: the case that drowns the long chains.
+    return _rows("short", 400, 20, 150, 1) + _rows("code", 60, 200, 400, 2) + _rows("reasoning", 40, 600, 1500, 3)
+
+
+def _short_share(result, bound=300):
+    return sum(c.tokens for c in result.selected if c.tokens < bound) / result.tokens
+
+
+def test_bucket_cap_holds_and_budget_is_respected(candidates):
+    spec = MixSpec(token_budget=30_000, bucket_caps=[{"below_tokens": 300, "max_share": 0.3}], seed=0)
+    result = build_mix(candidates, spec)
+    assert result.tokens <= 30_000
+    assert _short_share(result) <= 0.3 + 1e-9
+    assert result.share(result.after, bucket="<300") == pytest.approx(_short_share(result))
+    # Without the cap, the same weights give the short rows far more than 30%.
+    free = build_mix(candidates, MixSpec(token_budget=30_000, seed=0))
+    assert _short_share(free) > 0.4
+
+
+def test_nested_caps_each_hold(candidates):
+    spec = MixSpec(token_budget=25_000, bucket_caps=[{"below_tokens": 300, "max_share": 0.4},
+                                                     {"below_tokens": 100, "max_share": 0.05}])
+    result = build_mix(candidates, spec)
+    assert _short_share(result, 300) <= 0.4 + 1e-9
+    assert _short_share(result, 100) <= 0.05 + 1e-9
+    assert result.buckets == ["<100", "100-299", ">=300"]
+
+
+def test_weights_set_token_shares():
+    rows = _rows("a", 300, 100, 100, 1) + _rows("b", 300, 100, 100, 2)
+    result = build_mix(rows, MixSpec(token_budget=12_000, weights={"a": 3.0, "b": 1.0}))
+    a = sum(c.tokens for c in result.selected if c.partition == "a")
+    assert result.tokens == 12_000 and a == 9_000
+    none_b = build_mix(rows, MixSpec(token_budget=12_000, weights={"b": 0}))
+    assert {c.partition for c in none_b.selected} == {"a"}
+    assert any("b: weight 0" in n for n in none_b.notes)
+
+
+def test_share_a_partition_cannot_fill_goes_to_others():
+    rows = _rows("few", 5, 100, 100, 1) + _rows("many", 500, 100, 100, 2)
+    result = build_mix(rows, MixSpec(token_budget=10_000))
+    assert result.tokens == 10_000
+    assert sum(1 for c in result.selected if c.partition == "few") == 5
+
+
+def test_deterministic_for_a_seed_whatever_the_row_order(candidates):
+    spec = MixSpec(token_budget=20_000, bucket_caps=[{"below_tokens": 300, "max_share": 0.3}], seed=7)
+    order = ["short", "code", "reasoning"]
+    a = build_mix(candidates, spec, partitions=order)
+    b = build_mix(list(reversed(candidates)), spec, partitions=order)
+    assert [(c.partition, c.sample_id) for c in a.selected] == [(c.partition, c.sample_id) for c in b.selected]
+    other = build_mix(candidates, spec.model_copy(update={"seed": 8}))
+    assert {c.sample_id for c in other.selected} != {c.sample_id for c in a.selected}
+
+
+def test_unbudgeted_cap_is_a_share_of_the_mix_itself(candidates):
+    # No budget = every row's tokens; the cap must still hold on what the mix ends up holding.
+    result = build_mix(candidates, MixSpec(bucket_caps=[{"below_tokens": 300, "max_share": 0.2}]))
+    assert _short_share(result) <= 0.2 + 1e-9
+    assert any("of the" in n and "budget" in n for n in result.notes)
+    # Every long row is kept: only the capped bucket gives way.
+    assert sum(1 for c in result.selected if c.tokens >= 300) == sum(1 for c in candidates if c.tokens >= 300)
+
+
+def test_concat_baseline_follows_natural_proportions(candidates):
+    result = build_mix(candidates, MixSpec(mode="concat", token_budget=30_000, seed=0))
+    assert result.tokens <= 30_000
+    natural = sum(c.tokens for c in candidates if c.tokens < 300) / sum(c.tokens for c in candidates)
+    assert _short_share(result) == pytest.approx(natural, abs=0.1)
+
+
+def test_before_after_tables_and_plot(candidates):
+    result = build_mix(candidates, MixSpec(token_budget=10_000, bucket_caps=[{"below_tokens": 300, "max_share": 0.3}]))
+    assert sum(v["rows"] for b in result.before.values() for v in b.values()) == len(candidates)
+    assert sum(v["rows"] for b in result.after.values() for v in b.values()) == len(result.selected)
+    md = mix_table_markdown(result)
+    assert md.count("\n") == 1 + 3 * 2  # header, rule, 3 partitions x 2 buckets
+    assert mix_png(result).startswith(b"\x89PNG")
+    assert bucket_labels([]) == ["all"]
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="negative token count"):
+        build_mix([MixCandidate("a", "x", -1)], MixSpec())
+    assert build_mix([], MixSpec()).selected == []
