@@ -10,6 +10,13 @@ next materialization; a partition whose every prompt is in a shard sends no requ
 Exactly-once needs one writer per partition directory: ``run_generation`` holds an exclusive ``flock`` on
 ``<out_dir>/.generation.lock`` while it runs (the kernel drops it when the process dies, SIGKILL included) and
 refuses to start when another process holds it. Temp files left by a killed writer are removed on start.
+
+Live quality (optional ``monitor``, an ``eagle_assets.quality.live.LiveQualityMonitor``): the monitor is seeded with
+the rows already in the shards and fed every new row; at each of its reports ``live_stats.json`` is rewritten
+(atomically) beside the shards, alarms go to the ``alarm`` callback once per change of level, and a one-line summary
+goes to ``progress`` at most every ``live.log_every_s`` seconds. When the monitor decides to stop, no new request is
+sent: the requests already in flight finish and their rows are kept like every other row, and the stats say
+``stopped_early`` with the reason. The unsent prompts are not failures; the next materialization sends them.
 """
 
 from __future__ import annotations
@@ -22,13 +29,15 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_assets.storage import clear_shards, next_shard_path, read_done_ids, write_parquet_atomic
+from eagle_assets.storage import (clear_shards, next_shard_path, read_done_ids, shard_paths, write_json_atomic,
+                                   write_parquet_atomic)
 
 GENERATION_SCHEMA = pa.schema(
     [
@@ -48,6 +57,7 @@ FAILURE_SCHEMA = pa.schema(
 )
 FAILURES_FILE = "failures.parquet"
 LOCK_FILE = ".generation.lock"
+LIVE_STATS_FILE = "live_stats.json"
 
 
 @dataclass
@@ -59,7 +69,9 @@ class GenerationStats:
         skipped_done: those already in a shard; succeeded / failed: results of this run;
         retried: HTTP attempts beyond the first, over all results; finish_reasons / failure_kinds: counts;
         output_tokens: ids in succeeded replies; latencies_s: client seconds per succeeded request (retries
-        included); wall_s: run time; shards_written: new shard files.
+        included); wall_s: run time; shards_written: new shard files; stopped_early / stop_reason: the live
+        monitor stopped the run (reason: one line naming figure, value, threshold, examples); not_sent: prompts of
+        ``requested`` that were never sent because of that stop.
     """
 
     prompts: int = 0
@@ -74,6 +86,9 @@ class GenerationStats:
     latencies_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     shards_written: int = 0
+    stopped_early: bool = False
+    stop_reason: str | None = None
+    not_sent: int = 0
 
     def summary(self) -> dict[str, Any]:
         """Flat metadata dict: counts, rates and latency quantiles (ms)."""
@@ -98,6 +113,8 @@ class GenerationStats:
             "latency_p99_ms": round(q(0.99), 1),
             "wall_s": round(self.wall_s, 2),
             "shards_written": self.shards_written,
+            "stopped_early": self.stopped_early,
+            "not_sent": self.not_sent,
         }
 
 
@@ -149,6 +166,8 @@ def run_generation(
     progress: Callable[[str], None] | None = None,
     progress_every_s: float = 5.0,
     regenerate: bool = False,
+    monitor=None,
+    alarm: Callable[[str], None] | None = None,
 ) -> GenerationStats:
     """Generate every prompt not yet in ``out_dir``'s shards; append new shards; rewrite ``failures.parquet``.
 
@@ -162,25 +181,42 @@ def run_generation(
         progress: called with a one-line progress message at most every ``progress_every_s`` seconds (a timer,
             never per request), and once with the totals at the end.
         regenerate: delete the existing shards and failures first (under the partition lock) and generate all.
-    Returns: ``GenerationStats``.
+        monitor: a fresh ``LiveQualityMonitor`` for this partition, or None (no live quality, no live_stats.json).
+        alarm: called with one line per new live alarm (a figure's level changed) and once when the run is stopped;
+            default ``progress``.
+    Returns: ``GenerationStats`` (``stopped_early`` when the monitor stopped the run).
     Raises:
         PartitionBusyError: another process is generating into ``out_dir``.
         Whatever ``progress`` or the client raise (the rows already received are flushed first).
     Files: ``shard-NNNNN.parquet`` (``GENERATION_SCHEMA``), ``failures.parquet`` (``FAILURE_SCHEMA``): the ids of
-    ``prompts`` that have no row, with the kind of their last failure; rows of other ids are dropped from it.
+    ``prompts`` that have no row, with the kind of their last failure; rows of other ids are dropped from it;
+    ``live_stats.json`` (with a monitor): ``monitor.snapshot()`` plus ``updated_at`` (UTC ISO 8601), ``final`` and
+    ``generation`` (requested, succeeded, failed, not_sent of this run).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with _exclusive(out_dir):
         _remove_stale_temp_files(out_dir)
         if regenerate:
-            clear_shards(out_dir, extra=[FAILURES_FILE])
+            clear_shards(out_dir, extra=[FAILURES_FILE, LIVE_STATS_FILE])
         return _run_locked(prompts, out_dir, client, sampling, vocab_size, flush_rows, flush_seconds, progress,
-                           progress_every_s)
+                           progress_every_s, monitor, alarm or progress)
+
+
+def _seed_monitor(monitor, out_dir: Path, wanted: set[str]) -> None:
+    # one shard at a time: a large partition's rows are never all in memory at once
+    def rows() -> Iterator[dict]:
+        for path in shard_paths(out_dir):
+            for row in pq.read_table(path, columns=["sample_id", "output_ids", "finish_reason", "matched_stop",
+                                                    "completion_tokens"]).to_pylist():
+                if row["sample_id"] in wanted:
+                    yield row
+
+    monitor.seed(rows())
 
 
 def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows, flush_seconds, progress,
-                progress_every_s) -> GenerationStats:
+                progress_every_s, monitor=None, alarm=None) -> GenerationStats:
     from eagle_assets.serving.client import run_sync
 
     done = read_done_ids(out_dir)
@@ -198,6 +234,43 @@ def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows
     sampling_json = json.dumps(sampling.to_json() if hasattr(sampling, "to_json") else dict(sampling), sort_keys=True)
     started = time.monotonic()
     last_flush = started
+    sent = 0  # prompts handed to the client
+    if monitor is not None:
+        _seed_monitor(monitor, out_dir, seen)
+
+    def write_live(final: bool = False) -> None:
+        if monitor is None:
+            return
+        snap = monitor.snapshot()
+        snap.update(
+            updated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            final=final,
+            generation={"requested": stats.requested, "succeeded": stats.succeeded, "failed": stats.failed,
+                        "not_sent": stats.not_sent if final else None},
+        )
+        write_json_atomic(snap, out_dir / LIVE_STATS_FILE)
+
+    def live_report(final: bool = False) -> None:
+        # the final evaluation covers the last rows but decides nothing: every prompt has been sent by then
+        evaluation = monitor.evaluate(final=final)
+        write_live(final)
+        if evaluation is None:
+            return
+        for a in evaluation.new_alarms:
+            if alarm is not None:
+                alarm(f"live quality of {monitor.partition or out_dir.name}: {a.message()}")
+        if evaluation.stop is not None and alarm is not None:
+            alarm(f"stopping generation of {monitor.partition or out_dir.name} after {monitor.rows} rows: "
+                  f"{evaluation.stop.message()}. No new request is sent; the requests in flight finish and are kept")
+
+    def pending() -> Iterator[tuple[str, list[int]]]:
+        # the client pulls items lazily, one per free worker: ending this iterator is how a stop takes effect
+        nonlocal sent
+        for item in todo:
+            if monitor is not None and monitor.stop is not None:
+                return
+            sent += 1
+            yield item
 
     def flush() -> None:
         nonlocal buffer, last_flush
@@ -247,6 +320,10 @@ def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows
             stats.output_tokens += len(result.output_ids)
             stats.latencies_s.append(latency)
             new_failures.pop(rid, None)
+            if monitor is not None:
+                monitor.observe(buffer[-1])
+                if monitor.report_due():
+                    live_report()
         else:
             stats.failed += 1
             stats.failure_kinds[result.kind] += 1
@@ -262,8 +339,10 @@ def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows
     async def generate() -> None:
         async def timer() -> None:
             # flushes a partial buffer and reports progress even while no reply arrives (long generations)
-            tick = max(0.05, min(flush_seconds, progress_every_s) / 4)
-            last_report = time.monotonic()
+            periods = [flush_seconds, progress_every_s] + ([monitor.live.log_every_s] if monitor is not None else [])
+            tick = max(0.05, min(periods) / 4)
+            last_report = last_live_log = time.monotonic()
+            logged_rows = monitor.rows if monitor is not None else 0
             while True:
                 await asyncio.sleep(tick)
                 now = time.monotonic()
@@ -272,25 +351,37 @@ def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows
                 if now - last_report >= progress_every_s:
                     last_report = now
                     report()
+                if (monitor is not None and progress is not None and monitor.rows != logged_rows
+                        and now - last_live_log >= monitor.live.log_every_s):
+                    last_live_log, logged_rows = now, monitor.rows
+                    progress(monitor.log_line())
 
         ticker = asyncio.ensure_future(timer())
         try:
-            await client.generate_many(todo, sampling, vocab_size=vocab_size, on_result=on_result)
+            await client.generate_many(pending(), sampling, vocab_size=vocab_size, on_result=on_result)
         finally:
             ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ticker
 
+    write_live()
     try:
         if todo:
             run_sync(generate())
     finally:
         flush()
         stats.wall_s = time.monotonic() - started
+        if monitor is not None and monitor.stop is not None:
+            stats.stopped_early, stats.stop_reason = True, monitor.stop.message()
+        stats.not_sent = len(todo) - sent
         done_now = read_done_ids(out_dir)
         merged = {f["sample_id"]: f for f in old_failures if f["sample_id"] in seen and f["sample_id"] not in done_now}
         merged.update({k: v for k, v in new_failures.items() if k not in done_now})
         write_parquet_atomic(pa.Table.from_pylist(list(merged.values()), schema=FAILURE_SCHEMA),
                              out_dir / FAILURES_FILE)
+        if monitor is not None:
+            live_report(final=True)
     report(final=True)
+    if monitor is not None and progress is not None:
+        progress(monitor.log_line())
     return stats

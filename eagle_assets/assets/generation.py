@@ -1,4 +1,10 @@
-"""Asset ``generations``: SGLang ``/generate`` replies for every tokenized prompt, resumable by sample id."""
+"""Asset ``generations``: SGLang ``/generate`` replies for every tokenized prompt, resumable by sample id.
+
+While it generates, a ``LiveQualityMonitor`` (``quality.live``) keeps the partition's running quality figures:
+``live_stats.json`` beside the shards, a summary line in the run log at most every ``live.log_every_s`` seconds,
+WARN lines for thresholds broken early, and, with ``live.fail_fast``, an early stop that fails the asset while
+keeping every row generated.
+"""
 
 
 import json
@@ -8,7 +14,7 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
-from eagle_assets.generation import FAILURES_FILE, PartitionBusyError, run_generation
+from eagle_assets.generation import FAILURES_FILE, LIVE_STATS_FILE, PartitionBusyError, run_generation
 from eagle_assets.storage import read_done_ids
 from eagle_assets.serving.resource import SGLangServerResource
 
@@ -25,6 +31,32 @@ def _target_vocab_size(model_dir: Path) -> int | None:
         return None
     data = json.loads(cfg.read_text())
     return data.get("vocab_size") or data.get("text_config", {}).get("vocab_size")
+
+
+def _live_metadata(snapshot: dict, path: Path) -> dict:
+    """Run metadata of the last live snapshot: level, the main figures (JSON) and the live_stats.json path."""
+    keys = ("rows", "rows_this_run", "kept", "dropped", "completion_tokens", "reasoning_tokens", "answer_tokens",
+            "share_under_short", "share_truncated", "share_dropped", "share_by_reason", "stopped")
+    return {
+        "live_level": snapshot["level"],
+        "live_figures": dg.MetadataValue.json({k: snapshot[k] for k in keys}),
+        "live_alarms": dg.MetadataValue.json([a["message"] for a in snapshot["alarms"]]),
+        "live_stats_path": dg.MetadataValue.path(str(path)),
+    }
+
+
+def _stopped_failure(key: str, stats, out: Path, monitor) -> dg.Failure:
+    stop = monitor.stop
+    description = (
+        f"generation of partition {key} was stopped early by live quality monitoring: {stop.message()}. "
+        f"The {stats.succeeded + stats.skipped_done} rows generated so far are kept in {out} and {stats.not_sent} "
+        f"prompts were not sent. Fix the server, chat template or sampling settings, then materialize again: it "
+        f"resumes from the kept rows (run config regenerate: true drops them first, since they count in the "
+        f"partition's figures), or set partitions.{key}.live.fail_fast: false in the catalog to generate every "
+        f"prompt anyway. Running figures: {out / LIVE_STATS_FILE}"
+    )
+    return dg.Failure(description=description, metadata=_live_metadata(monitor.snapshot(), out / LIVE_STATS_FILE),
+                      allow_retries=False)
 
 
 def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDefinition]:
@@ -45,6 +77,8 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         sglang: SGLangServerResource,
     ) -> dg.MaterializeResult:
         """Raw output_ids + finish_reason from SGLang's native /generate; append-only shards, failures recorded."""
+        from eagle_assets.assets.qc import blank_token_ids
+        from eagle_assets.quality.live import LiveQualityMonitor
         from eagle_assets.serving.client import GenerateClient
         from eagle_assets.serving.protocol import SamplingParams
         from eagle_assets.target.profile import detect_profile
@@ -57,11 +91,18 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         out = layout.stage_dir("generations", key)
         if config.regenerate:
             context.log.info(f"regenerate=True: existing shards of {key} are removed and generated again")
-        table = pq.read_table(layout.stage_dir("tokenized_prompts", key) / "prompts.parquet",
-                              columns=["sample_id", "prompt_ids"])
-        prompts = list(zip(table.column("sample_id").to_pylist(), table.column("prompt_ids").to_pylist()))
+        prompts_file = layout.stage_dir("tokenized_prompts", key) / "prompts.parquet"
+        columns = ["sample_id", "prompt_ids"]
+        if "prompt_opens_think" in pq.read_schema(prompts_file).names:
+            columns.append("prompt_opens_think")
+        table = pq.read_table(prompts_file, columns=columns)
+        sample_ids = table.column("sample_id").to_pylist()
+        prompts = list(zip(sample_ids, table.column("prompt_ids").to_pylist()))
+        opens_think = (dict(zip(sample_ids, table.column("prompt_opens_think").to_pylist()))
+                       if "prompt_opens_think" in columns else None)
         model_dir = target.resolve()
-        profile = detect_profile(load_tokenizer(model_dir), catalog.target.profile or None)
+        tokenizer = load_tokenizer(model_dir)
+        profile = detect_profile(tokenizer, catalog.target.profile or None)
         s = spec.sampling
         sampling = SamplingParams(
             max_new_tokens=s.max_new_tokens,
@@ -81,11 +122,17 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
             api_key_env=sglang.api_key_env,
         ) if pending else None
         shown_urls = [client.redact(u) for u in urls] if client else []
+        # The same segmentation and thresholds as qc_shards, applied as rows arrive; a finished partition has no
+        # rows arriving, so it skips the (vocab-sized) blank-id scan.
+        monitor = LiveQualityMonitor(
+            profile, spec.thresholds, spec.live, blank_ids=blank_token_ids(tokenizer),
+            tool_call_in_reasoning=spec.tool_call_in_reasoning, prompt_opens_think=opens_think, partition=key,
+        ) if pending else None
         context.log.info(f"generating {len(prompts)} prompts of {key} against {shown_urls or 'no server (all done)'}")
         try:
             stats = run_generation(
                 prompts, out, client, sampling, _target_vocab_size(model_dir), progress=context.log.info,
-                regenerate=config.regenerate,
+                regenerate=config.regenerate, monitor=monitor, alarm=context.log.warning,
             )
         except PartitionBusyError as exc:
             raise dg.Failure(
@@ -95,6 +142,9 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         summary = stats.summary()
         if stats.failed:
             context.log.warning(f"{stats.failed} requests failed after retries; see {out / FAILURES_FILE}")
+        if stats.stopped_early:
+            raise _stopped_failure(key, stats, out, monitor)
+        live = _live_metadata(monitor.snapshot(), out / LIVE_STATS_FILE) if monitor is not None else {}
         return dg.MaterializeResult(
             metadata={
                 "dagster/row_count": stats.succeeded + stats.skipped_done,
@@ -102,6 +152,7 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
                 "max_new_tokens": s.max_new_tokens,
                 "servers": dg.MetadataValue.json(shown_urls),
                 "path": dg.MetadataValue.path(str(out)),
+                **live,
             }
         )
 

@@ -193,13 +193,14 @@ _WRITERS = {
 }
 
 
-def raw_records(kind: str) -> list[Any]:
-    """The records of one demo file: :data:`N_RECORDS` well-formed ones with malformed ones inserted at
-    :data:`MALFORMED_ROWS` (built from extra samples of the same stream)."""
+def raw_records(kind: str, n_records: int = N_RECORDS) -> list[Any]:
+    """The records of one demo file: ``n_records`` well-formed ones with malformed ones inserted at
+    :data:`MALFORMED_ROWS` (built from extra samples of the same stream). A larger ``n_records`` extends the
+    same stream (experiments that need a partition with many rows); the default file is unchanged by it."""
     good, bad = _WRITERS[kind]
-    samples = generate_samples(kind, N_RECORDS + len(MALFORMED_ROWS), RAW_SEED)
-    records: list[Any] = [good(s) for s in samples[:N_RECORDS]]
-    for row, s in zip(MALFORMED_ROWS, samples[N_RECORDS:]):
+    samples = generate_samples(kind, n_records + len(MALFORMED_ROWS), RAW_SEED)
+    records: list[Any] = [good(s) for s in samples[:n_records]]
+    for row, s in zip(MALFORMED_ROWS, samples[n_records:]):
         records.insert(row, bad(s, row))
     return records
 
@@ -221,13 +222,14 @@ def prompt_samples(kind: str) -> list[DemoSample]:
     return out
 
 
-def write_raw_samples(out_dir: Path | None = None) -> list[Path]:
-    """Write the four demo source files into ``out_dir`` (default :func:`default_out_dir`); returns their paths."""
+def write_raw_samples(out_dir: Path | None = None, n_records: dict[str, int] | None = None) -> list[Path]:
+    """Write the four demo source files into ``out_dir`` (default :func:`default_out_dir`); returns their paths.
+    ``n_records`` maps a kind ("tool", "code", "math", "reasoning") to its number of well-formed records."""
     out_dir = Path(out_dir or default_out_dir())
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for kind, name in FILES.items():
-        records = raw_records(kind)
+        records = raw_records(kind, (n_records or {}).get(kind, N_RECORDS))
         path = out_dir / name
         if name.endswith(".jsonl"):
             text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)

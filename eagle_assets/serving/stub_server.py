@@ -9,6 +9,13 @@ Replies (same shape as SGLang's, see ``eagle_assets.serving.protocol``): ``outpu
 ``cached_tokens`` 0 and ``e2e_latency``. With ``output_tokens`` set every reply has exactly that many ids and
 finishes by ``length`` (the benchmark's fixed 1,000-token outputs; the encoded ids are built once and reused).
 
+Structured replies (live-quality drills; both ignored when ``output_tokens`` is set): with ``think_end_id`` set a
+stop-terminated reply closes a reasoning block half way, ``[reasoning..., think_end, answer..., stop]``, so it
+segments as a whole row for a profile with that think-end id (prompts that open the think block); with
+``truncate_share`` set, that share of the requests, chosen by a hash of the ``rid`` (``stub_truncates``), gets a
+reply cut at ``max_new_tokens`` without a think end: ``finish_reason {"type": "length", "length": max_new_tokens}``
+and ``max_new_tokens`` ids, as SGLang answers a generation that hits its cap inside the reasoning.
+
 Faults: an in-process ``StubServer`` takes ``fault(rid, attempt, body) -> action | None``; actions (``FAULTS``):
 ``http_500``, ``http_503`` (with ``Retry-After: 0``), ``http_429``, ``http_400``, ``abort`` (HTTP 200 with
 ``finish_reason`` abort, as SGLang sends it), ``truncated`` (half a JSON body), ``ct_mismatch``
@@ -57,6 +64,7 @@ def stub_output_ids(
     vocab_size: int,
     stop_token_ids: Sequence[int] = (),
     output_tokens: int | None = None,
+    think_end_id: int | None = None,
 ) -> tuple[list[int], dict[str, Any]]:
     """The stub's reply ids for a prompt: deterministic in (input_ids, max_new_tokens, vocab, stop ids).
 
@@ -67,6 +75,8 @@ def stub_output_ids(
         stop_token_ids: when non-empty and the drawn length is under the cap, the first stop id ends the reply
             (kept in ``output_ids``, as SGLang does) and the finish reason is ``stop``.
         output_tokens: fixed reply length (capped to ``max_new_tokens``); finish reason ``length``.
+        think_end_id: when set, a stop-terminated reply of ``n >= 2`` ids carries it at index ``(n - 2) // 2``
+            (reasoning before it, answer after it; ``n >= 3`` leaves a non-empty answer).
     Returns:
         (output_ids, finish_reason dict in SGLang's ``to_json`` form).
     """
@@ -80,8 +90,15 @@ def stub_output_ids(
     ids = [FIRST_ORDINARY_ID + (seed * 31 + 7919 * i) % span for i in range(n)]
     if stop_token_ids and n < max_new_tokens:
         ids[-1] = int(stop_token_ids[0])
+        if think_end_id is not None and n >= 2:
+            ids[(n - 2) // 2] = int(think_end_id)
         return ids, {"type": "stop", "matched": int(stop_token_ids[0])}
     return ids, {"type": "length", "length": max_new_tokens}
+
+
+def stub_truncates(rid: str, share: float) -> bool:
+    """Whether a stub with ``truncate_share=share`` cuts the reply to request ``rid`` (a pure function of both)."""
+    return share > 0 and zlib.crc32(str(rid).encode()) % 10_000 < share * 10_000
 
 
 @dataclass
@@ -105,6 +122,8 @@ class StubServer:
         on_request: ``on_request(n)`` called with the running request count before anything else (kill tests
             use it to SIGKILL a client at an exact point).
         keep_bodies: keep every parsed request body in ``bodies`` (tests of the request shape).
+        think_end_id: close a reasoning block half way in stop-terminated replies (see the module doc).
+        truncate_share: share 0..1 of the rids whose reply is cut at ``max_new_tokens`` (``stub_truncates``).
     """
 
     def __init__(
@@ -116,6 +135,8 @@ class StubServer:
         hang_s: float = 30.0,
         on_request: Callable[[int], None] | None = None,
         keep_bodies: bool = False,
+        think_end_id: int | None = None,
+        truncate_share: float = 0.0,
     ):
         self.vocab_size = int(vocab_size)
         self.latency_s = float(latency_s)
@@ -124,6 +145,8 @@ class StubServer:
         self.hang_s = float(hang_s)
         self.on_request = on_request
         self.keep_bodies = keep_bodies
+        self.think_end_id = think_end_id
+        self.truncate_share = float(truncate_share)
         self.bodies: list[dict] = []
         self.stats = StubStats()
         self._fixed_cache: dict[int, bytes] = {}
@@ -141,8 +164,12 @@ class StubServer:
         """The good reply dict for a request body."""
         sp = body.get("sampling_params") or {}
         max_new = int(sp.get("max_new_tokens", 128))
-        ids, finish = stub_output_ids(body["input_ids"], max_new, self.vocab_size, sp.get("stop_token_ids") or (),
-                                      self.output_tokens)
+        if self.output_tokens is None and stub_truncates(str(body.get("rid")), self.truncate_share):
+            # cut at the cap inside the reasoning: max_new_tokens ids, no think end, no stop id
+            ids, finish = stub_output_ids(body["input_ids"], max_new, self.vocab_size, (), max_new)
+        else:
+            ids, finish = stub_output_ids(body["input_ids"], max_new, self.vocab_size,
+                                          sp.get("stop_token_ids") or (), self.output_tokens, self.think_end_id)
         return {"text": "", "output_ids": ids, "meta_info": {
             "id": body.get("rid"), "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
             "completion_tokens": len(ids), "cached_tokens": 0, "e2e_latency": round(time.monotonic() - started, 6)}}
@@ -293,10 +320,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-ms", type=float, default=0.0, help="fixed wait before each reply")
     p.add_argument("--output-tokens", type=int, default=None, help="fixed reply length (finish by length)")
     p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--think-end-id", type=int, default=None, help="close a reasoning block in each stopped reply")
+    p.add_argument("--truncate-share", type=float, default=0.0,
+                   help="share of requests (by rid hash) cut at max_new_tokens with finish_reason length")
     p.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process dies")
     args = p.parse_args(argv)
     stub = StubServer(vocab_size=args.vocab_size, latency_s=args.latency_ms / 1000.0,
-                      output_tokens=args.output_tokens)
+                      output_tokens=args.output_tokens, think_end_id=args.think_end_id,
+                      truncate_share=args.truncate_share)
 
     async def serve() -> None:
         runner, port = await _start(stub, args.host, args.port)

@@ -1,0 +1,145 @@
+"""Experiment: a drafter trained on our regenerated responses vs one trained on the datasets' original responses.
+
+Issue "EAGLE-3 drafter", item 7. Both arms use the same prompts (the training split of every partition that passed
+QC), the same token budget (completion tokens, the smaller arm's total; each arm cut from a seeded shuffle), the same
+training recipe (the catalog's ``training`` section, draft vocab built from the arm's own completion tokens) and
+are measured on the same held-out rows: the target's own generations for held-out prompts, i.e. what the drafter
+meets when serving. Tau is the simulated acceptance length (k = ``ttt_steps`` drafts per verification).
+
+- regenerated: ``prompt_ids + output_ids`` exactly as the target produced them (the ``qc_shards`` rows).
+- original: ``prompt_ids`` + the dataset's own reply (``raw_prompts.reference_reply``), rendered by the target's
+  chat template as the assistant turn after the prompt and tokenized after the generation prompt, as a
+  text-based trainer (SpecForge, speculators) builds its rows. A reply without reasoning gets the template's empty
+  think block. Rows whose reply cannot be rendered are left out and counted.
+
+Needs a materialized catalog (``eagle-assets run --skip-training`` first). Usage:
+``.venv/bin/python bench/exp_regeneration.py [--catalog catalogs/default.yaml] [--holdout-fraction 0.25]``.
+Takes ~10 min on 2 CPU cores with the default catalog (two drafter trainings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+from eagle_assets.assets.training import is_holdout  # noqa: E402
+from eagle_assets.catalog import MixSpec, default_catalog_path, load_catalog  # noqa: E402
+from eagle_assets.drafter.experiment import completion_tokens, train_and_measure  # noqa: E402
+from eagle_assets.drafter.mix import MixCandidate, build_mix  # noqa: E402
+from eagle_assets.storage import default_storage_root  # noqa: E402
+
+
+def reference_reply_ids(tokenizer, messages: list, tools: list | None, reference: dict, eot_text: str,
+                        enable_thinking: bool | None) -> list[int] | None:
+    """Token ids of the dataset's reply rendered as the assistant turn after the prompt; None when the template's
+    rendering of prompt + reply does not start with its rendering of the prompt (the reply cannot be aligned)."""
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    assistant = {"role": "assistant", "content": reference.get("content") or "",
+                 "reasoning_content": reference.get("reasoning_content") or "\n"}
+    if reference.get("tool_calls"):
+        assistant["tool_calls"] = reference["tool_calls"]
+    prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
+    full = tokenizer.apply_chat_template(messages + [assistant], tools=tools, tokenize=False, **kwargs)
+    if not full.startswith(prompt):
+        return None
+    reply = full[len(prompt):]
+    end = reply.find(eot_text)
+    if end < 0:
+        return None
+    return tokenizer(reply[: end + len(eot_text)], add_special_tokens=False)["input_ids"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--catalog", type=Path, default=None)
+    ap.add_argument("--storage-root", type=Path, default=None)
+    ap.add_argument("--holdout-fraction", type=float, default=0.25,
+                    help="share of each partition's prompts held out for measuring tau (default 0.25)")
+    ap.add_argument("--out", type=Path, default=None, help="default: <storage>/experiments/regeneration")
+    ap.add_argument("--dry-run", action="store_true", help="build both arms, print them and one row of each; no training")
+    args = ap.parse_args(argv)
+
+    from eagle_assets.assets.qc import passing_partitions
+    from eagle_assets.assets.resources import PipelineSettings, TargetModel
+    from eagle_assets.target.profile import detect_profile
+    from eagle_assets.target.tokenizer import load_tokenizer
+
+    catalog_path = (args.catalog or default_catalog_path()).resolve()
+    catalog = load_catalog(catalog_path)
+    root = (args.storage_root or default_storage_root()).resolve()
+    settings = PipelineSettings(catalog_path=str(catalog_path), storage_root=str(root))
+    layout = settings.layout()
+    keys, excluded = passing_partitions(settings)
+    if not keys:
+        print(f"no partition of {catalog_path} has passing QC shards under {layout.base}: run "
+              f"`eagle-assets run --catalog {catalog_path} --skip-training` first ({excluded})")
+        return 2
+    model_dir = TargetModel(model=catalog.target.model).resolve()
+    tokenizer = load_tokenizer(model_dir)
+    profile = detect_profile(tokenizer, catalog.target.profile or None)
+    eot_text = tokenizer.decode([profile.end_of_turn_id])
+    training = catalog.training
+    regen, original, heldout, skipped = [], [], {}, {}
+    for key in keys:
+        spec = catalog.partitions[key]
+        raw = {r["sample_id"]: r for r in pq.read_table(layout.base / "raw_prompts" / key / "prompts.parquet").to_pylist()}
+        prompts = {r["sample_id"]: r["prompt_ids"]
+                   for r in pq.read_table(layout.base / "tokenized_prompts" / key / "prompts.parquet").to_pylist()}
+        qc = pq.read_table(layout.base / "qc_shards" / key / "shard-00000.parquet",
+                           columns=["sample_id", "input_ids", "loss_mask"]).to_pylist()
+        heldout[key] = []
+        skipped[key] = 0
+        for row in qc:
+            sid = row["sample_id"]
+            ids, mask = np.asarray(row["input_ids"], np.int32), np.asarray(row["loss_mask"], np.int8)
+            if is_holdout(sid, args.holdout_fraction, training.seed):
+                heldout[key].append((ids, mask))
+                continue
+            regen.append((key, sid, (ids, mask)))
+            ref = json.loads(raw[sid]["reference_reply"]) if raw[sid]["reference_reply"] else None
+            reply = ref and reference_reply_ids(tokenizer, json.loads(raw[sid]["messages"]),
+                                                json.loads(raw[sid]["tools"]) if raw[sid]["tools"] else None,
+                                                ref, eot_text, spec.enable_thinking)
+            if not reply:
+                skipped[key] += 1
+                continue
+            p = prompts[sid]
+            original.append((key, sid, (np.asarray(p + reply, np.int32),
+                                        np.asarray([0] * len(p) + [1] * len(reply), np.int8))))
+    budget = min(completion_tokens([r for *_x, r in regen]), completion_tokens([r for *_x, r in original]))
+    arms = {}
+    for name, rows in (("regenerated", regen), ("original", original)):
+        by_id = {(k, s): r for k, s, r in rows}
+        mix = build_mix([MixCandidate(k, s, completion_tokens([r])) for k, s, r in rows],
+                        MixSpec(mode="concat", token_budget=budget, seed=training.seed), partitions=keys)
+        arms[name] = [by_id[(c.partition, c.sample_id)] for c in mix.selected]
+    out = (args.out or layout.base / "experiments" / "regeneration").resolve()
+    print(f"catalog {catalog_path.name}: partitions {keys}; held-out rows {({k: len(v) for k, v in heldout.items()})}; "
+          f"original replies not renderable {skipped}; budget {budget} completion tokens per arm")
+    if args.dry_run:
+        for name, rows in arms.items():
+            ids, mask = rows[0]
+            print(f"{name}: {len(rows)} rows; first row's completion: {tokenizer.decode(ids[mask.astype(bool)])[:300]!r}")
+        return 0
+    results = {name: train_and_measure(model_dir, rows, heldout, training, out / name) for name, rows in arms.items()}
+    print("\n| arm | rows | completion tokens | " + " | ".join(f"tau {k}" for k in keys) + " | mean tau |")
+    print("|---|---|---|" + "---|" * len(keys) + "---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['train_rows']} | {r['train_tokens']} | "
+              + " | ".join(f"{r['tau'][k]:.3f}" for k in keys) + f" | {r['mean_tau']:.3f} |")
+    gain = results["regenerated"]["mean_tau"] / results["original"]["mean_tau"] - 1
+    print(f"\nregenerated vs original: mean tau {gain:+.1%}")
+    (out / "summary.json").write_text(json.dumps({"budget": budget, "skipped": skipped, "results": results,
+                                                  "gain": gain}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

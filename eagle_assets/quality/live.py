@@ -1,0 +1,440 @@
+"""Live quality of a partition while it generates: running figures, early alarms and the fail-fast decision.
+
+``LiveQualityMonitor`` is fed one generated row at a time (the dict written to a generations shard). Each row is
+segmented exactly as the ``qc_shards`` asset does it (``segment_row``), so the running figures are the figures the
+blocking ``token_structure`` and ``response_length`` checks will compute at the end, and they are compared with the
+partition's thresholds by the same rules (``quality.thresholds``), only earlier.
+
+Cadence (``LiveSpec``): a report every ``report_every_rows`` rows; from ``warmup_rows`` rows on, each report also
+evaluates. An evaluation yields alarms (one per broken threshold, with example sample ids) and, when ``fail_fast``
+is set, may decide to stop the partition:
+
+- Stopping figures are the structural ones: ``share_dropped``, ``share_<drop reason>`` at their ERROR level, and
+  ``share_truncated`` at its ERROR level (truncated rows are structural drops, ``truncated_in_reasoning`` /
+  ``truncated_in_answer``; past that level the blocking ``response_length`` check fails whatever follows). Length
+  drift (``median_tokens``, ``share_under_short``) only warns.
+- Figures cover the whole partition: rows of earlier runs are fed first (``seed``), as QC will judge them all. A stop
+  however judges what the server does now: it also needs ``warmup_rows`` rows of this run and the same ERROR level
+  broken over this run's rows alone. So a rerun after a server fix is not stopped by the broken rows of the earlier
+  run, and an unfixed rerun stops again after its warm-up.
+
+Memory: a few ints and the sample id per row (lists), fine for partitions of up to a few 100k rows. An evaluation
+costs O(rows) (a sort of the lengths), once per ``report_every_rows`` rows.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter, deque
+from dataclasses import dataclass
+from statistics import median
+from typing import Any, Iterable, Mapping, Sequence
+
+from eagle_assets.catalog import LiveSpec
+from eagle_assets.quality.segment import DROP_REASONS, Segmentation, segment_output
+from eagle_assets.quality.thresholds import Finding, Outcome, evaluate_response_length, evaluate_token_structure
+
+LEVELS = ("OK", "WARN", "ERROR")
+# What to do about a broken figure; the stop message quotes it.
+_HINTS = {
+    "truncated": "replies hit max_new_tokens: raise the partition's sampling.max_new_tokens, or check that the chat "
+                 "template lets the model end its reasoning",
+    "missing_think_end": "the prompt opens a think block that the output never closes: check the chat template "
+                         "(enable_thinking) and the profile's think_end",
+    "no_stop_token": "replies end without one of the profile's stop ids: check stop_ids / end_of_turn in the profile "
+                     "and that the server keeps special tokens (skip_special_tokens false)",
+    "stop_mismatch": "the matched stop id is not the last output id: check the server's stop handling",
+    "multiple_think_end": "outputs close the think block twice: check the chat template",
+    "unbalanced_tool_call": "tool-call markers do not pair up: check the profile's tool_call_start / tool_call_end",
+    "tool_call_in_reasoning": "tool calls inside the reasoning: set tool_call_in_reasoning: keep if they are wanted",
+    "empty_answer": "nothing after the reasoning: check the chat template and max_new_tokens",
+    "length_mismatch": "completion_tokens disagree with output_ids: check the server version",
+    "abort": "the server aborted requests: check its log",
+}
+
+
+def segment_row(
+    row: Mapping[str, Any],
+    profile,
+    *,
+    prompt_opens_think: bool = True,
+    tool_call_in_reasoning: str = "drop",
+    blank_ids: frozenset[int] = frozenset(),
+) -> Segmentation:
+    """Segment one generations row exactly as ``qc_shards`` does.
+
+    Args:
+        row: a generations row (``GENERATION_SCHEMA``): ``output_ids`` (list of int), ``finish_reason`` ("stop",
+            "length", "abort"), ``matched_stop`` (int or None), ``completion_tokens`` (int or None).
+        profile: the target's ``FamilyProfile``.
+        prompt_opens_think: the prompt ends with the think-start id (``tokenized_prompts.prompt_opens_think``).
+        tool_call_in_reasoning: the partition's policy, "drop" or "keep".
+        blank_ids: ids that decode to whitespace only (``assets.qc.blank_token_ids``).
+    Returns: the ``Segmentation``. Raises ``ValueError`` for an unknown policy.
+    """
+    return segment_output(
+        row["output_ids"], row["finish_reason"], profile,
+        matched_stop=row.get("matched_stop"), completion_tokens=row.get("completion_tokens"),
+        prompt_opens_think=prompt_opens_think, tool_call_in_reasoning=tool_call_in_reasoning, blank_ids=blank_ids,
+    )
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    if obj is None:
+        return {}
+    if hasattr(obj, "model_dump"):
+        return obj.model_dump()
+    return dict(obj)
+
+
+def _quantiles(values: Sequence[int]) -> dict[str, float]:
+    """p10 / median / p90 (tokens) by the index rule of ``evaluate_response_length``; zeros when empty."""
+    if not values:
+        return {"p10": 0.0, "median": 0.0, "p90": 0.0}
+    ordered = sorted(values)
+    n = len(ordered)
+    return {"p10": float(ordered[int(0.1 * (n - 1))]), "median": float(median(ordered)),
+            "p90": float(ordered[int(0.9 * (n - 1))])}
+
+
+def _is_stopping(finding: Finding) -> bool:
+    return finding.level == "ERROR" and finding.figure.startswith("share_") and finding.figure != "share_under_short"
+
+
+@dataclass(frozen=True)
+class LiveAlarm:
+    """One broken threshold in a live evaluation.
+
+    ``figure`` is ``value`` against ``threshold`` (``comparison`` "<" or ">" breaks it) at ``level`` "WARN" or
+    "ERROR", over ``rows`` rows of the partition; ``example_ids`` are sample ids of offending rows (the shortest rows
+    for length figures, the latest rows with that defect for shares); ``note`` says what happens next, if anything.
+    """
+
+    figure: str
+    value: float
+    threshold: float
+    level: str
+    comparison: str
+    rows: int
+    example_ids: tuple[str, ...] = ()
+    note: str = ""
+
+    def message(self) -> str:
+        """One line, e.g. ``WARN: share_truncated = 0.04 > threshold 0.02 over 75 rows (examples: a, b)``."""
+        text = f"{self.level}: {self.figure} = {self.value:.4g} {self.comparison} threshold {self.threshold:.4g} " \
+               f"over {self.rows} rows"
+        if self.example_ids:
+            text += f" (examples: {', '.join(self.example_ids)})"
+        return text + (f"; {self.note}" if self.note else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"figure": self.figure, "value": self.value, "threshold": self.threshold, "level": self.level,
+                "comparison": self.comparison, "rows": self.rows, "example_ids": list(self.example_ids),
+                "note": self.note, "message": self.message()}
+
+
+@dataclass(frozen=True)
+class StopDecision:
+    """Why a partition is stopped early: ``figure`` = ``value`` above its ERROR ``threshold``.
+
+    ``value`` covers the ``rows`` rows of the partition, ``run_value`` the ``run_rows`` rows of this run (the two are
+    equal on a fresh partition); ``example_ids`` are offending rows; ``hint`` says what to fix.
+    """
+
+    figure: str
+    value: float
+    threshold: float
+    rows: int
+    run_value: float
+    run_rows: int
+    example_ids: tuple[str, ...]
+    hint: str
+
+    def message(self) -> str:
+        scope = (f"over {self.rows} rows" if self.rows == self.run_rows else
+                 f"over {self.rows} rows of the partition ({self.run_value:.4g} over the {self.run_rows} rows of "
+                 "this run)")
+        text = f"{self.figure} = {self.value:.4g} > ERROR level {self.threshold:.4g} {scope}"
+        if self.example_ids:
+            text += f"; examples: {', '.join(self.example_ids)}"
+        return text + (f"; {self.hint}" if self.hint else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"figure": self.figure, "value": self.value, "threshold": self.threshold, "rows": self.rows,
+                "run_value": self.run_value, "run_rows": self.run_rows, "example_ids": list(self.example_ids),
+                "hint": self.hint, "message": self.message()}
+
+
+@dataclass(frozen=True)
+class LiveEvaluation:
+    """Result of one evaluation over ``rows`` rows: worst ``level`` ("OK", "WARN", "ERROR"), every current alarm,
+    the alarms whose level changed since the previous evaluation (``new_alarms``: what to log), and ``stop`` when
+    this evaluation decided to stop the partition (None otherwise, also after an earlier stop)."""
+
+    rows: int
+    level: str
+    alarms: tuple[LiveAlarm, ...]
+    new_alarms: tuple[LiveAlarm, ...]
+    stop: StopDecision | None
+
+
+class LiveQualityMonitor:
+    """Running quality figures of one partition, compared with its thresholds as rows arrive.
+
+    Args:
+        profile: the target's ``FamilyProfile`` (think, tool-call and stop ids).
+        thresholds: the partition's ``Thresholds`` (or a mapping with the same fields).
+        live: the partition's ``LiveSpec`` (or a mapping); None = the defaults.
+        blank_ids: ids that decode to whitespace only (``assets.qc.blank_token_ids``).
+        tool_call_in_reasoning: the partition's policy, "drop" or "keep".
+        prompt_opens_think: sample id -> ``prompt_opens_think`` of ``tokenized_prompts``. Rows of ids missing from it
+            are from an older prompt set and are skipped, as QC skips them. None = every prompt opens a think block.
+        partition: the partition key, for messages.
+    Use: ``seed`` earlier runs' rows once, then ``observe`` each new row; when ``report_due()``, call
+    ``evaluate()`` and write ``snapshot()``.
+    """
+
+    def __init__(
+        self,
+        profile,
+        thresholds: Any = None,
+        live: LiveSpec | Mapping[str, Any] | None = None,
+        *,
+        blank_ids: frozenset[int] = frozenset(),
+        tool_call_in_reasoning: str = "drop",
+        prompt_opens_think: Mapping[str, bool] | None = None,
+        partition: str = "",
+    ):
+        self.profile = profile
+        self.thresholds = _as_dict(thresholds)
+        self.live = live if isinstance(live, LiveSpec) else LiveSpec(**_as_dict(live))
+        self.blank_ids = frozenset(blank_ids)
+        self.tool_call_in_reasoning = tool_call_in_reasoning
+        self.prompt_opens_think = prompt_opens_think
+        self.partition = partition
+        self.short_tokens = int(self.thresholds.get("short_tokens") or 300)
+        # one entry per row, rows of earlier runs first (seed), then this run's rows (observe)
+        self._ids: list[str] = []
+        self._tokens: list[int] = []  # completion tokens = len(output_ids)
+        self._finish: list[str] = []
+        self._drop: list[str | None] = []
+        self._reasoning: list[int] = []  # kept rows only
+        self._answer: list[int] = []  # kept rows only
+        self._drop_counts: Counter = Counter()
+        self._k = self.live.example_ids
+        self._recent: dict[str, deque] = {}  # "dropped", "truncated" or a drop reason -> latest sample ids
+        self.seeded = 0
+        self.stale_rows = 0
+        self._last_report = 0
+        self._last_eval: int | None = None
+        self._announced: dict[str, str] = {}
+        self.last: LiveEvaluation | None = None
+        self.stop: StopDecision | None = None
+
+    # ------------------------------------------------------------------------------------------------ feeding
+    @property
+    def rows(self) -> int:
+        """Rows counted so far (earlier runs + this run)."""
+        return len(self._ids)
+
+    @property
+    def run_rows(self) -> int:
+        """Rows of this run (fed by ``observe``)."""
+        return len(self._ids) - self.seeded
+
+    @property
+    def warmed_up(self) -> bool:
+        return self.rows >= self.live.warmup_rows
+
+    def seed(self, rows: Iterable[Mapping[str, Any]]) -> int:
+        """Count the rows of earlier runs (read back from the shards); returns how many were counted.
+
+        Raises ``RuntimeError`` once ``observe`` has been called: earlier rows must come first.
+        """
+        if self.run_rows:
+            raise RuntimeError("LiveQualityMonitor.seed must be called before the first observe()")
+        before = self.rows
+        for row in rows:
+            self._add(row)
+        self.seeded = self.rows
+        return self.rows - before
+
+    def observe(self, row: Mapping[str, Any]) -> Segmentation | None:
+        """Count one row of this run; returns its segmentation (None for a row of a stale prompt)."""
+        return self._add(row)
+
+    def _add(self, row: Mapping[str, Any]) -> Segmentation | None:
+        sid = str(row["sample_id"])
+        if self.prompt_opens_think is not None:
+            opens = self.prompt_opens_think.get(sid)
+            if opens is None:
+                self.stale_rows += 1
+                return None
+        else:
+            opens = True
+        seg = segment_row(row, self.profile, prompt_opens_think=bool(opens),
+                          tool_call_in_reasoning=self.tool_call_in_reasoning, blank_ids=self.blank_ids)
+        self._ids.append(sid)
+        self._tokens.append(len(row["output_ids"]))
+        self._finish.append(row["finish_reason"])
+        self._drop.append(seg.drop_reason)
+        if seg.kept:
+            self._reasoning.append(seg.reasoning_tokens)
+            self._answer.append(seg.answer_tokens)
+        else:
+            self._drop_counts[seg.drop_reason] += 1
+            self._remember("dropped", sid)
+            self._remember(seg.drop_reason, sid)
+        if row["finish_reason"] == "length":
+            self._remember("truncated", sid)
+        return seg
+
+    def _remember(self, key: str, sid: str) -> None:
+        if self._k:
+            self._recent.setdefault(key, deque(maxlen=self._k)).append(sid)
+
+    # ---------------------------------------------------------------------------------------------- evaluating
+    def report_due(self) -> bool:
+        """True when a report is due: ``report_every_rows`` rows since the last one, or the first evaluation point
+        (``warmup_rows`` rows) reached."""
+        if self.rows - self._last_report >= self.live.report_every_rows:
+            return True
+        return self.warmed_up and (self._last_eval is None or self.rows - self._last_eval
+                                   >= self.live.report_every_rows)
+
+    def outcomes(self, this_run_only: bool = False) -> tuple[Outcome, Outcome]:
+        """(token_structure, response_length) outcomes of the rows so far, by the blocking checks' rules."""
+        start = self.seeded if this_run_only else 0
+        structure = evaluate_token_structure(self._drop[start:], self.thresholds)
+        length = evaluate_response_length(self._tokens[start:], self._finish[start:], self.thresholds)
+        return structure, length
+
+    def evaluate(self, final: bool = False) -> LiveEvaluation | None:
+        """Compare the running figures with the thresholds; None during the warm-up (fewer than ``warmup_rows``).
+
+        Resets the report cadence either way. Decides a stop (``self.stop``, sticky) when ``fail_fast`` is set and a
+        stopping figure breaks its ERROR level over the partition and over this run's rows (see the module doc).
+        ``final=True`` is for the last figures of a run that has sent everything: evaluated even during the warm-up
+        (when there is at least one row), and no stop is decided.
+        """
+        self._last_report = self.rows
+        if not (self.warmed_up or (final and self.rows)):
+            return None
+        self._last_eval = self.rows
+        structure, length = self.outcomes()
+        findings = [*structure.findings, *length.findings]
+        stop = None
+        if not final and self.stop is None and any(_is_stopping(f) for f in findings):
+            stop = self._stop_decision([f for f in findings if _is_stopping(f)])
+            self.stop = stop
+        alarms = tuple(self._alarm(f) for f in findings)
+        new = tuple(a for a in alarms if self._announced.get(a.figure) != a.level)
+        self._announced = {a.figure: a.level for a in alarms}
+        level = max((a.level for a in alarms), key=LEVELS.index, default="OK")
+        self.last = LiveEvaluation(self.rows, level, alarms, new, stop)
+        return self.last
+
+    def _stop_decision(self, errors: list[Finding]) -> StopDecision | None:
+        if not self.live.fail_fast or self.run_rows < self.live.warmup_rows:
+            return None
+        run_figures: dict[str, float] = {}
+        if self.seeded:
+            run_structure, run_length = self.outcomes(this_run_only=True)
+            run_figures = {**run_structure.figures, **run_length.figures}
+        for f in errors:
+            run_value = run_figures.get(f.figure, 0.0) if self.seeded else f.value
+            if run_value > f.threshold:
+                return StopDecision(f.figure, f.value, f.threshold, self.rows, run_value, self.run_rows,
+                                    self._examples(f.figure), self._hint(f.figure))
+        return None
+
+    def _hint(self, figure: str) -> str:
+        if figure == "share_truncated" or figure.startswith("share_truncated_"):
+            return _HINTS["truncated"]
+        if figure == "share_dropped":
+            top = self._drop_counts.most_common(1)
+            if not top:
+                return ""
+            reason, count = top[0]
+            return f"most dropped rows are {reason} ({count} of {self.rows} rows): {self._hint(f'share_{reason}')}"
+        return _HINTS.get(figure.removeprefix("share_"), "")
+
+    def _examples(self, figure: str) -> tuple[str, ...]:
+        if not self._k:
+            return ()
+        if figure in ("median_tokens", "p10_tokens", "share_under_short"):
+            # the shortest rows: what drags the length figures down
+            pick = heapq.nsmallest(self._k, range(len(self._tokens)), key=self._tokens.__getitem__)
+            return tuple(self._ids[i] for i in pick)
+        key = {"share_dropped": "dropped", "share_truncated": "truncated"}.get(figure, figure.removeprefix("share_"))
+        return tuple(self._recent.get(key, ()))
+
+    def _alarm(self, f: Finding) -> LiveAlarm:
+        note = ""
+        if _is_stopping(f):
+            if self.stop is not None and self.stop.figure == f.figure:
+                note = "generation stops: no new request is sent, the rows received are kept"
+            elif not self.live.fail_fast:
+                note = "live.fail_fast is off: generation continues; the blocking QC check will fail at this level"
+            elif self.stop is None and self.run_rows < self.live.warmup_rows:
+                note = (f"this run has {self.run_rows} of {self.live.warmup_rows} warm-up rows: not judged yet "
+                        "(rows of earlier runs count in the figure)")
+            elif self.stop is None:
+                note = ("this run's own rows are within the ERROR level (rows of earlier runs raise the figure): "
+                        "generation continues")
+        return LiveAlarm(f.figure, f.value, f.threshold, f.level, f.comparison, self.rows, self._examples(f.figure),
+                         note)
+
+    # ------------------------------------------------------------------------------------------------ reporting
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-able running figures. Token counts are tokens; shares are fractions 0..1 of the rows counted.
+
+        Keys: partition, rows, rows_this_run, rows_earlier_runs, stale_rows_skipped, kept, dropped, warmed_up,
+        completion_tokens / reasoning_tokens / answer_tokens ({p10, median, p90}; reasoning and answer over kept
+        rows), short_tokens, share_under_short, share_truncated, share_dropped, share_by_reason, drop_reasons
+        (counts), level ("WARMUP" before the first evaluation, else the last evaluation's), evaluated_at_rows,
+        alarms (the last evaluation's), stopped, stop, live (the LiveSpec), thresholds.
+        """
+        n = self.rows
+        share = (lambda c: c / n) if n else (lambda c: 0.0)
+        dropped = sum(self._drop_counts.values())
+        last = self.last
+        return {
+            "partition": self.partition,
+            "rows": n,
+            "rows_this_run": self.run_rows,
+            "rows_earlier_runs": self.seeded,
+            "stale_rows_skipped": self.stale_rows,
+            "kept": n - dropped,
+            "dropped": dropped,
+            "warmed_up": self.warmed_up,
+            "completion_tokens": _quantiles(self._tokens),
+            "reasoning_tokens": _quantiles(self._reasoning),
+            "answer_tokens": _quantiles(self._answer),
+            "short_tokens": self.short_tokens,
+            "share_under_short": share(sum(1 for t in self._tokens if t < self.short_tokens)),
+            "share_truncated": share(sum(1 for r in self._finish if r == "length")),
+            "share_dropped": share(dropped),
+            "share_by_reason": {r: share(self._drop_counts[r]) for r in DROP_REASONS if self._drop_counts[r]},
+            "drop_reasons": {r: self._drop_counts[r] for r in DROP_REASONS if self._drop_counts[r]},
+            "level": last.level if last is not None else "WARMUP",
+            "evaluated_at_rows": last.rows if last is not None else None,
+            "alarms": [a.to_json() for a in last.alarms] if last is not None else [],
+            "stopped": self.stop is not None,
+            "stop": self.stop.to_json() if self.stop is not None else None,
+            "live": self.live.model_dump(),
+            "thresholds": self.thresholds,
+        }
+
+    def log_line(self) -> str:
+        """One line for the run log: rows, level, completion-token quantiles and the main shares (percent)."""
+        snap = self.snapshot()
+        q = snap["completion_tokens"]
+        reasons = ", ".join(f"{r} {100 * s:.1f}%" for r, s in snap["share_by_reason"].items())
+        return (
+            f"live quality{f' of {self.partition}' if self.partition else ''}: {snap['rows']} rows "
+            f"({snap['rows_this_run']} this run), level {snap['level']}; completion tokens p10/median/p90 "
+            f"{q['p10']:.0f}/{q['median']:.0f}/{q['p90']:.0f}; under {self.short_tokens} tokens "
+            f"{100 * snap['share_under_short']:.1f}%, truncated {100 * snap['share_truncated']:.1f}%, dropped "
+            f"{100 * snap['share_dropped']:.1f}%" + (f" ({reasons})" if reasons else "")
+        )
