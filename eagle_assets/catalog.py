@@ -317,6 +317,14 @@ class Catalog(_Strict):
                 raise ValueError(f"partition key {key!r} must match {PARTITION_KEY_RE.pattern} (letters, digits, '_' and '-'; no path separators or dots)")
         return v
 
+    @model_validator(mode="after")
+    def _mix_weights_name_partitions(self) -> Catalog:
+        unknown = sorted(set(self.training.mix.weights) - set(self.partitions))
+        if unknown:
+            raise ValueError(f"training.mix.weights names unknown partition(s) {unknown}; "
+                             f"known partitions: {list(self.partitions)}")
+        return self
+
     @property
     def path(self) -> Path | None:
         """The catalog file this was loaded from."""

@@ -100,6 +100,7 @@ def test_missing_max_new_tokens_names_field_and_fix(tmp_path):
         (MINIMAL + "    thresholds: {max_share_by_reason: {empty_answer: {warn: 0.3, error: 0.1}}}\n", "partitions.P1.thresholds.max_share_by_reason.empty_answer", "warning level"),
         (MINIMAL + "    live: {warmup_rows: 0}\n", "partitions.P1.live.warmup_rows", "greater than 0"),
         (MINIMAL + "training: {mix: {weights: {P1: -1}}}\n", "training.mix.weights", "must be >= 0"),
+        (MINIMAL + "training: {mix: {weights: {P2: 1.0}}}\n", "<top level>", "unknown partition(s) ['P2']"),
         (MINIMAL + "training: {mix: {bucket_caps: [{below_tokens: 300, max_share: 1.5}]}}\n", "training.mix.bucket_caps[0].max_share", "less than or equal to 1"),
     ],
 )
