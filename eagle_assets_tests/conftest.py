@@ -32,3 +32,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_defs_state_storage():
+    """Each test starts without a Dagster defs-state storage left current by an earlier test's instance.
+
+    A ``DagsterInstance`` makes its defs-state storage current in a ContextVar on ``__enter__``; an instance that a
+    sensor test evaluated against can leave that storage current after it is disposed, and the next
+    ``dg.materialize`` then fails with "Attempted to resolve undefined DagsterInstance weakref". Long-lived
+    processes (daemon, webserver) open one instance and never hit this; only a test process that opens many does.
+    """
+    from dagster._core.storage.defs_state.base import _current_storage
+
+    token = _current_storage.set(None)
+    yield
+    _current_storage.reset(token)
