@@ -7,8 +7,8 @@ Shape (see catalogs/default.yaml)::
     partitions:
       <key>:  {description, sources: [{path, format}], prompt_policy, enable_thinking, sampling: {max_new_tokens,
                temperature, top_p, top_k}, limit, seed, max_prompt_tokens, thresholds: {...}}
-    training: {draft_vocab_size, ttt_steps, epochs, lr, max_length, batch_tokens, seed, holdout_fraction,
-               aux_layer_ids}
+    training: {draft_vocab_size, ttt_steps, epochs, lr, schedule, warmup_steps, max_length, batch_tokens, seed,
+               save_every_steps, holdout_fraction, aux_layer_ids, acceptance..., mix: {...}}
 
 Relative source paths resolve against the catalog file's directory; ``${VAR}`` and ``${VAR:-default}`` in any
 string are expanded from the environment. Validation uses pydantic; every problem is reported as a
@@ -288,7 +288,10 @@ class TrainingSpec(_Strict):
     acceptance_max_positions: int = Field(256, gt=0)  # verification points per partition
     min_tau_margin: float = Field(0.05, ge=0)  # ERROR when mean tau <= 1 + margin: the drafter is useless
     tau_warn: float = Field(1.5, ge=1)  # WARN under this mean tau
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int | None = Field(None, ge=0)  # linear warm-up steps; null = 5% of all steps, 0 = none
+    schedule: Literal["cosine", "constant"] = "cosine"  # learning rate after warm-up
+    # Resumable training: a state (weights, AdamW moments, position) every this many steps and at each epoch end.
+    save_every_steps: int = Field(50, ge=0)
     mix: MixSpec = Field(default_factory=MixSpec)
 
     @field_validator("aux_layer_ids")

@@ -190,10 +190,15 @@ def build_training_assets() -> list:
         model_dir = target.resolve()
         out = settings.layout().stage_dir("drafter_checkpoint")
         config = TrainConfig(lr=t.lr, epochs=t.epochs, max_length=t.max_length, batch_tokens=t.batch_tokens,
-                             ttt_steps=t.ttt_steps, seed=t.seed, aux_layer_ids=t.aux_layer_ids)
+                             ttt_steps=t.ttt_steps, seed=t.seed, aux_layer_ids=t.aux_layer_ids,
+                             warmup_steps=t.warmup_steps, schedule=t.schedule, save_every_steps=t.save_every_steps)
         context.log.info(f"training on {len(rows)} rows of {keys}; {len(held)} held out")
+        # The training state lives beside the checkpoint: a run killed mid-training (a worker lost, a retry) goes on
+        # from its last saved step and ends with the weights an unbroken run would have.
         result = train_drafter(model_dir, [(ids, mask) for _s, ids, mask, _k in rows], vocab, config,
-                               out / "checkpoint", log=_bounded_log(context.log.info))
+                               out / "checkpoint", log=_bounded_log(context.log.info), state_dir=out / "train_state")
+        for note in result.notes:
+            context.log.info(note)
         ckpt = Path(result.checkpoint_dir)
         losses = [s.loss for s in result.steps]
         write_json_atomic(result.to_dict(), out / "training_metrics.json")
@@ -207,6 +212,7 @@ def build_training_assets() -> list:
             "steps": len(losses),
             "tokens_per_s": round(result.tokens_per_s, 1),
             "train_seconds": round(result.train_seconds, 1),
+            "resumed_from_step": result.resumed_from_step,
             "rows_skipped": dg.MetadataValue.json(result.skip_reasons),
             "loss_first_10pct": first,
             "loss_last_10pct": last,

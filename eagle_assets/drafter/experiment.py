@@ -61,7 +61,8 @@ def train_and_measure(
     vocab = build_draft_vocab(counts, vocab_size, training.draft_vocab_size)
     config = TrainConfig(lr=training.lr, epochs=training.epochs, max_length=training.max_length,
                          batch_tokens=training.batch_tokens, ttt_steps=training.ttt_steps, seed=training.seed,
-                         aux_layer_ids=training.aux_layer_ids, warmup_steps=training.warmup_steps or None)
+                         aux_layer_ids=training.aux_layer_ids, warmup_steps=training.warmup_steps,
+                         schedule=training.schedule)
     started = time.monotonic()
     result = train_drafter(model_dir, list(train_rows), vocab, config, out_dir / "checkpoint", log=lambda _l: None)
     seconds = time.monotonic() - started

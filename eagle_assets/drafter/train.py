@@ -11,20 +11,36 @@ distribution against the target's softmax restricted to the draft vocab, average
 total = sum_i 0.8^i * loss_i (EAGLE-3 / SpecForge weighting). Teacher positions whose target argmax lies outside the
 draft vocab are left out (the drafter cannot propose that token; SpecForge's ``position_mask`` does the same) and
 counted. Accuracy per step: the drafter's argmax (mapped to a target id) equals the target's argmax.
+
+Resumable runs (``train_drafter(..., state_dir=...)``): every ``save_every_steps`` optimizer steps and at every epoch
+end the trainer writes its whole state (drafter weights, AdamW moments and step counts, torch RNG state, position,
+epoch accumulators, per-step metrics) and, when started again on the same inputs, continues from the last one. The
+run is a pure function of (config, data, vocab, target, thread count): batch order of epoch ``e`` is drawn from
+``SeedSequence([seed, e])`` alone, the learning rate is a function of the step number alone, the drafter has no
+dropout and the loop draws no random numbers (its torch RNG stream is still saved and restored so that a future
+random op stays reproducible). So a resumed run ends with exactly the weights of an unbroken one (bitwise on CPU
+with the same thread count). See :class:`TrainState` for the files and the crash-safety protocol.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import hashlib
 import json
 import math
+import os
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eagle_assets.drafter.acceptance import AcceptanceResult, simulate_acceptance
@@ -47,9 +63,11 @@ class TrainConfig:
         batch_tokens: a batch holds rows of similar length with ``rows x longest <= batch_tokens`` (a longer row
             forms a batch of its own).
         ttt_steps: TTT unroll length (EAGLE-3 uses 7).
-        seed: seeds initialization and batch order; same seed + same rows + same threads = same losses.
+        seed: (>= 0) seeds initialization and batch order; same seed + same rows + same threads = same losses.
         aux_layer_ids: target CAPTURE ids (None = SGLang default ``[2, L//2, L-3]``).
-        warmup_steps: linear warm-up steps; None = 5% of all steps (at least 1).
+        warmup_steps: linear warm-up steps (0 = none); None = 5% of all steps (at least 1).
+        schedule: learning rate after warm-up: ``"cosine"`` (half-cosine from ``lr`` down to ``min_lr_ratio * lr``
+            at the last step) or ``"constant"`` (``lr``). See :func:`lr_at`.
         min_lr_ratio: cosine decay floor as a fraction of ``lr``.
         weight_decay: AdamW weight decay.
         grad_clip: global gradient-norm clip (0 disables).
@@ -61,6 +79,8 @@ class TrainConfig:
         export_dtype: weight dtype of the exported checkpoint (None = the target's dtype from its config.json).
         acceptance_k: drafts per verification when ``eval_rows`` are given.
         acceptance_max_positions: verification cap for that simulation.
+        save_every_steps: with a ``state_dir``, a training state is written every this many optimizer steps and at
+            the end of every epoch (0 = at epoch ends only). Ignored without a ``state_dir``.
     """
 
     lr: float = 3e-4
@@ -71,6 +91,7 @@ class TrainConfig:
     seed: int = 0
     aux_layer_ids: tuple[int, ...] | None = None
     warmup_steps: int | None = None
+    schedule: str = "cosine"
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -81,6 +102,18 @@ class TrainConfig:
     export_dtype: str | None = None
     acceptance_k: int = 7
     acceptance_max_positions: int | None = 2000
+    save_every_steps: int = 50
+
+
+#: learning-rate schedules :func:`lr_at` knows.
+SCHEDULES = ("cosine", "constant")
+
+#: TrainConfig fields that change the sequence of weights; a saved state only resumes a run that agrees on all of
+#: them (num_threads, feature_cache_bytes, export and acceptance settings, save_every_steps do not change it).
+TRAJECTORY_FIELDS = (
+    "lr", "epochs", "max_length", "batch_tokens", "ttt_steps", "seed", "aux_layer_ids", "warmup_steps", "schedule",
+    "min_lr_ratio", "weight_decay", "grad_clip", "step_weight", "intermediate_size",
+)
 
 
 @dataclass
@@ -119,6 +152,10 @@ class TrainResult:
         aux_capture_ids: target capture ids used.
         drafter_config: the drafter's shape.
         acceptance: simulated acceptance on ``eval_rows`` (None when none were given).
+        resumed_from_step: optimizer steps restored from a saved state (0 = trained from scratch); ``steps`` still
+            lists every step of the run, the restored ones read back from the state.
+        state_dir: where the training state was kept (None = not kept).
+        state_seconds: time spent writing training states (not part of ``train_seconds``).
     """
 
     checkpoint_dir: Path
@@ -139,6 +176,9 @@ class TrainResult:
     config: TrainConfig
     acceptance: AcceptanceResult | None = None
     notes: list[str] = field(default_factory=list)
+    resumed_from_step: int = 0
+    state_dir: Path | None = None
+    state_seconds: float = 0.0
 
     @property
     def first_loss(self) -> float:
@@ -167,6 +207,9 @@ class TrainResult:
             "config": asdict(self.config),
             "acceptance": self.acceptance.to_dict() if self.acceptance else None,
             "notes": self.notes,
+            "resumed_from_step": self.resumed_from_step,
+            "state_dir": str(self.state_dir) if self.state_dir else None,
+            "state_seconds": self.state_seconds,
         }
 
 
@@ -216,6 +259,7 @@ def train_drafter(
     out_dir: str | Path,
     log: Callable[[str], None] | None = None,
     eval_rows: Sequence[Row] | None = None,
+    state_dir: str | Path | None = None,
 ) -> TrainResult:
     """Train and export an EAGLE-3 drafter for a target model.
 
@@ -227,22 +271,41 @@ def train_drafter(
         config: :class:`TrainConfig`.
         out_dir: where the SGLang checkpoint (``config.json``, ``model.safetensors``) and ``training_metrics.json``
             are written.
-        log: called with one human-readable line per optimizer step and a few summary lines.
+        log: called with one human-readable line per optimizer step and a few summary lines. An exception it
+            raises stops training there (the last saved state stays resumable).
         eval_rows: optional held-out rows for :func:`simulate_acceptance` after training.
+        state_dir: directory for resumable training state (see :class:`TrainState`); None = nothing is saved or
+            resumed. When it holds a state written for the same inputs (same :data:`TRAJECTORY_FIELDS` of
+            ``config``, same rows after truncation, same draft vocab, same target weights, same
+            :data:`STATE_VERSION`), training continues from it and ends with the weights an unbroken run would
+            have (bitwise on CPU with the same thread count). A state for other inputs, or a damaged one, is never
+            continued: it is deleted and training starts over, with a log line and a note in
+            :attr:`TrainResult.notes` naming what differed. (Starting over rather than raising because the usual
+            cause is an edited catalog or new data on a pipeline re-run, where the user wants the new run, not an
+            error asking them to delete files.) A finished state is reused as is: the run only exports. The
+            directory must lie outside ``out_dir``, which export replaces.
 
     Returns:
         :class:`TrainResult`.
 
     Raises:
-        ValueError: the draft vocab does not match the target vocab, no row has a supervised position, or the aux
-            ids do not fit the target (the message says what to change).
+        ValueError: the draft vocab does not match the target vocab, no row has a supervised position, a config
+            value is out of range, the aux ids do not fit the target, or ``state_dir`` lies inside ``out_dir`` (the
+            message says what to change).
+        RuntimeError: another process is training with the same ``state_dir``.
     """
     emit = log or (lambda _line: None)
     previous_threads = torch.get_num_threads()
     if config.num_threads:
         torch.set_num_threads(int(config.num_threads))
     try:
-        return _train(target_dir, rows, draft_vocab, config, Path(out_dir), emit, eval_rows)
+        # Training draws from its own torch RNG stream (seeded with config.seed, saved in the state) so neither the
+        # caller's generator nor earlier calls change the weights.
+        with torch.random.fork_rng(devices=[]):
+            return _train(
+                target_dir, rows, draft_vocab, config, Path(out_dir), emit, eval_rows,
+                Path(state_dir) if state_dir is not None else None,
+            )
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -447,11 +510,366 @@ def _ttt_loss(
     return total, per_step
 
 
-def _lr_at(step: int, total: int, warmup: int, lr: float, floor: float) -> float:
+def lr_at(step: int, total: int, warmup: int, lr: float, floor: float, schedule: str = "cosine") -> float:
+    """Learning rate of optimizer step ``step`` (0-based) of ``total``.
+
+    A function of the step number alone, so the "scheduler state" of a resumed run is just its step count.
+    Warm-up (``step < warmup``): ``lr * (step + 1) / warmup`` (linear, reaching ``lr`` at the last warm-up step).
+    After it, ``"constant"``: ``lr``; ``"cosine"``: ``lr * (floor + (1 - floor) * (1 + cos(pi * progress)) / 2)``
+    with ``progress = (step - warmup) / max(1, total - warmup)`` clipped to 1: the half-cosine of SGDR (Loshchilov
+    and Hutter, arXiv 1608.03983) as in transformers' ``get_cosine_schedule_with_warmup``, decaying to
+    ``floor * lr`` instead of 0.
+
+    Raises:
+        ValueError: ``schedule`` is not one of :data:`SCHEDULES`.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown learning-rate schedule {schedule!r}; use one of {list(SCHEDULES)}")
     if step < warmup:
         return lr * (step + 1) / warmup
+    if schedule == "constant":
+        return lr
     progress = (step - warmup) / max(1, total - warmup)
     return lr * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def epoch_order(seed: int, epoch: int, n_batches: int) -> np.ndarray:
+    """Batch order of ``epoch``: int64 ``[n_batches]``, a permutation drawn from ``SeedSequence([seed, epoch])``.
+
+    Depends on nothing else (not on earlier epochs or on how many batches a crashed run had consumed), so a run
+    resumed mid-epoch continues the same order.
+    """
+    return np.random.default_rng([int(seed), int(epoch)]).permutation(n_batches)
+
+
+def _check_config(config: TrainConfig) -> None:
+    problems = []
+    if config.ttt_steps < 1 or config.epochs < 1 or config.batch_tokens < 1:
+        problems.append(
+            f"ttt_steps, epochs and batch_tokens must be >= 1 (got {config.ttt_steps}, {config.epochs}, "
+            f"{config.batch_tokens})"
+        )
+    if config.max_length < 2:
+        problems.append(f"max_length must be >= 2 (got {config.max_length})")
+    if config.seed < 0:
+        problems.append(f"seed must be >= 0 (got {config.seed})")
+    if config.warmup_steps is not None and config.warmup_steps < 0:
+        problems.append(f"warmup_steps must be >= 0 or None for 5% of the steps (got {config.warmup_steps})")
+    if config.schedule not in SCHEDULES:
+        problems.append(f"schedule must be one of {list(SCHEDULES)} (got {config.schedule!r})")
+    if config.save_every_steps < 0:
+        problems.append(f"save_every_steps must be >= 0, 0 = at epoch ends only (got {config.save_every_steps})")
+    if problems:
+        raise ValueError("invalid TrainConfig: " + "; ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Resumable state
+
+#: format of the files :class:`TrainState` writes. Bump it whenever a code change alters the training trajectory
+#: (loss, batching, initialization, optimizer), so that states from the old code are not continued by the new.
+STATE_VERSION = 1
+
+
+def _hash_tensors(items: Iterator[tuple[str, Any]]) -> str:
+    """sha256 over ``(name, shape, dtype, raw bytes)`` of tensors / arrays, in the given order."""
+    h = hashlib.sha256()
+    for name, value in items:
+        if isinstance(value, torch.Tensor):
+            t = value.detach().to("cpu").contiguous()
+            h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy())
+        else:
+            a = np.ascontiguousarray(value)
+            h.update(f"{name}|{a.shape}|{a.dtype.str}|".encode())
+            h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _fingerprint(
+    config: TrainConfig,
+    dconf: DrafterConfig,
+    prepared: list[_Prepared],
+    draft_vocab: DraftVocab,
+    target: nn.Module,
+    warmup: int,
+    total_steps: int,
+) -> dict[str, Any]:
+    """What a saved state must agree on to be continued: JSON-normalized trajectory config, drafter shape, and
+    sha256 of the training rows (after truncation, in order), of the draft vocab and of every target parameter."""
+    trajectory = {name: getattr(config, name) for name in TRAJECTORY_FIELDS}
+    trajectory.update(resolved_warmup_steps=warmup, total_steps=total_steps)
+    return json.loads(json.dumps({
+        "config": trajectory,
+        "drafter": dconf.to_dict(),
+        "data": _hash_tensors(
+            (f"row{i}", a) for i, r in enumerate(prepared) for a in (r.ids, r.mask)
+        ),
+        "vocab": _hash_tensors([("d2t", draft_vocab.d2t), ("t2d", draft_vocab.t2d)]),
+        "target": _hash_tensors(iter(target.named_parameters())),
+    }))
+
+
+def _fingerprint_diff(old: Any, new: dict[str, Any]) -> str:
+    """Human-readable differences between two fingerprints ('' when equal)."""
+    if not isinstance(old, dict):
+        return "it has no fingerprint"
+    out = []
+    old_cfg, new_cfg = old.get("config") or {}, new["config"]
+    changed = [f"{k} {old_cfg.get(k)!r} -> {new_cfg.get(k)!r}" for k in new_cfg if old_cfg.get(k) != new_cfg.get(k)]
+    if changed:
+        out.append("config " + ", ".join(changed))
+    if old.get("drafter") != new["drafter"]:
+        keys = [k for k in new["drafter"] if (old.get("drafter") or {}).get(k) != new["drafter"][k]]
+        out.append(f"drafter shape ({', '.join(keys)})")
+    for key, what in (("data", "training rows"), ("vocab", "draft vocab"), ("target", "target weights")):
+        if old.get(key) != new[key]:
+            out.append(what)
+    return "; ".join(out)
+
+
+@dataclass
+class _Progress:
+    """Everything of a run that a state must carry besides tensors (JSON-exact: floats round-trip via repr)."""
+
+    step: int
+    epochs: list[dict[str, Any]]
+    loss_sum: list[float]
+    correct: list[float]
+    count: list[float]
+    loss_total: float
+    out_of_draft: int
+    tokens_done: int
+    train_seconds: float
+    steps: list[StepMetrics]
+
+    @classmethod
+    def fresh(cls, k: int) -> "_Progress":
+        return cls(0, [], [0.0] * k, [0.0] * k, [0.0] * k, 0.0, 0, 0, 0.0, [])
+
+    def new_epoch(self, k: int) -> None:
+        self.loss_sum, self.correct, self.count, self.loss_total = [0.0] * k, [0.0] * k, [0.0] * k, 0.0
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "epochs": self.epochs, "loss_sum": self.loss_sum, "correct": self.correct, "count": self.count,
+            "loss_total": self.loss_total, "out_of_draft": self.out_of_draft, "tokens_done": self.tokens_done,
+            "train_seconds": self.train_seconds,
+        }
+
+    @classmethod
+    def from_record(cls, step: int, record: dict[str, Any], steps: list[StepMetrics]) -> "_Progress":
+        return cls(
+            step, record["epochs"], record["loss_sum"], record["correct"], record["count"], record["loss_total"],
+            record["out_of_draft"], record["tokens_done"], record["train_seconds"], steps,
+        )
+
+
+@dataclass
+class _Snapshot:
+    step: int
+    record: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    steps: list[StepMetrics]
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` into a hidden sibling, fsync it, rename it over ``path``: readers see old or new, never half."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+class TrainState:
+    """The resumable state of one training run, kept in a directory (no pickles; crash-safe).
+
+    Files:
+        ``state.json``: the commit record: :data:`STATE_VERSION`, the run fingerprint (see :func:`train_drafter`),
+            optimizer steps done, the tensors file it goes with and that file's size, completed epoch summaries,
+            the running epoch's accumulators and counters.
+        ``tensors-<step>.safetensors``: drafter weights ``model.<name>`` (float32, the names of
+            :data:`~eagle_assets.drafter.export.WEIGHT_KEYS`), AdamW state ``optim.<param index>.<key>`` (``step``
+            float32 scalar, ``exp_avg`` and ``exp_avg_sq`` float32 shaped like the parameter; index = position in
+            ``model.parameters()``) and the torch CPU RNG state ``rng.torch`` (uint8).
+        ``steps.jsonl``: one :class:`StepMetrics` per line, appended; only the first ``step`` lines are valid.
+        ``.lock``: ``flock``-ed while a run uses the directory.
+
+    Save protocol: the tensors file is written under a temporary name, fsynced and renamed; the new metrics lines
+    are appended and fsynced; then ``state.json`` is written the same way, and its rename is the commit. A save
+    killed at any point leaves the previous ``state.json`` and the tensors file it names intact (older tensors
+    files are deleted only after the commit; extra metrics lines are cut on load), so a half-written state is never
+    loaded. Reading uses JSON and safetensors only (no ``torch.load``): a planted file cannot run code.
+    """
+
+    STATE = "state.json"
+    STEPS = "steps.jsonl"
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._lines = 0  # metrics lines already in steps.jsonl that belong to the committed state
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold an exclusive ``flock`` on ``.lock`` for the block.
+
+        Raises:
+            RuntimeError: another process holds it.
+        """
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise RuntimeError(
+                        f"another training run is using the state directory {self.path} (its .lock is held); "
+                        "wait for it to finish or pass a different state_dir"
+                    ) from exc
+                raise
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def load(self, fingerprint: dict[str, Any]) -> tuple[_Snapshot | None, str | None]:
+        """The committed state if it was written for ``fingerprint``.
+
+        Returns:
+            ``(snapshot, None)`` for a usable state, ``(None, None)`` when there is none, ``(None, reason)`` when
+            there is one that must not be continued (other inputs, other format, unreadable).
+        """
+        path = self.path / self.STATE
+        if not path.exists():
+            self.clear()  # leftovers of a first save that died before its commit
+            return None, None
+        try:
+            record = json.loads(path.read_text())
+            version, step = record.get("version"), int(record["step"])
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            return None, f"its {self.STATE} is unreadable ({exc})"
+        if version != STATE_VERSION:
+            return None, f"it was written in state format {version}, this trainer writes format {STATE_VERSION}"
+        diff = _fingerprint_diff(record.get("fingerprint"), fingerprint)
+        if diff:
+            return None, f"it was written for other inputs (differences: {diff})"
+        tensors_path = self.path / str(record.get("tensors_file"))
+        try:
+            size = tensors_path.stat().st_size
+            if size != record.get("tensors_bytes"):
+                return None, f"{tensors_path.name} has {size} bytes, the state records {record.get('tensors_bytes')}"
+            tensors = load_file(str(tensors_path))
+        except (OSError, SafetensorError) as exc:
+            return None, f"its tensors file is unreadable ({exc})"
+        steps: list[StepMetrics] = []
+        try:
+            with open(self.path / self.STEPS) as fh:
+                for line in fh:
+                    if len(steps) == step:
+                        break
+                    steps.append(StepMetrics(**json.loads(line)))
+        except (OSError, ValueError, TypeError) as exc:
+            return None, f"its {self.STEPS} is unreadable ({exc})"
+        if len(steps) != step:
+            return None, f"its {self.STEPS} has {len(steps)} steps, the state records {step}"
+        # Lines past the commit come from a save that died before its commit: drop them before appending.
+        self._rewrite_steps(steps)
+        return _Snapshot(step, record, tensors, steps), None
+
+    def _rewrite_steps(self, steps: list[StepMetrics]) -> None:
+        _atomic_write(
+            self.path / self.STEPS,
+            lambda tmp: tmp.write_text("".join(json.dumps(asdict(m)) + "\n" for m in steps)),
+        )
+        self._lines = len(steps)
+
+    def clear(self) -> None:
+        """Remove every state file (``state.json`` first: from then on nothing here is resumable)."""
+        (self.path / self.STATE).unlink(missing_ok=True)
+        _fsync_dir(self.path)
+        for pattern in ("tensors-*.safetensors", self.STEPS, ".*.tmp-*"):
+            for f in self.path.glob(pattern):
+                f.unlink(missing_ok=True)
+        self._lines = 0
+
+    def save(
+        self, step: int, tensors: dict[str, torch.Tensor], record: dict[str, Any], steps: list[StepMetrics]
+    ) -> None:
+        """Commit the state after ``step`` optimizer steps (``steps`` = the metrics of all of them)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        name = f"tensors-{step:09d}.safetensors"
+        _atomic_write(self.path / name, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+        with open(self.path / self.STEPS, "a") as fh:
+            fh.writelines(json.dumps(asdict(m)) + "\n" for m in steps[self._lines : step])
+            fh.flush()
+            os.fsync(fh.fileno())
+        full = {**record, "version": STATE_VERSION, "step": step, "tensors_file": name,
+                "tensors_bytes": (self.path / name).stat().st_size}
+        _atomic_write(self.path / self.STATE, lambda tmp: tmp.write_text(json.dumps(full) + "\n"))
+        self._lines = step
+        for old in self.path.glob("tensors-*.safetensors"):
+            if old.name != name:
+                old.unlink(missing_ok=True)
+
+
+def _state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    for idx, entry in optimizer.state_dict()["state"].items():
+        for key, value in entry.items():
+            out[f"optim.{idx}.{key}"] = torch.as_tensor(value).detach().to("cpu").contiguous()
+    out["rng.torch"] = torch.get_rng_state()
+    return out
+
+
+def _restore_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], tensors: dict[str, torch.Tensor]
+) -> str | None:
+    """Load weights, optimizer state and RNG from a state's tensors; returns why not (nothing changed) or None."""
+    weights = model.state_dict()
+    model_part = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    if set(model_part) != set(weights):
+        return f"its weight names differ from the drafter's ({sorted(set(model_part) ^ set(weights))})"
+    bad = [k for k, v in model_part.items() if v.shape != weights[k].shape or v.dtype != weights[k].dtype]
+    optim: dict[int, dict[str, torch.Tensor]] = {}
+    for name, value in tensors.items():
+        if name.startswith("optim."):
+            _, idx, key = name.split(".", 2)
+            i = int(idx)
+            if not 0 <= i < len(params) or (value.dim() and value.shape != params[i].shape):
+                bad.append(name)
+            optim.setdefault(i, {})[key] = value
+    if bad or "rng.torch" not in tensors:
+        return f"its tensors do not fit the drafter ({bad[:5] or 'no rng.torch'})"
+    model.load_state_dict(model_part, strict=True)
+    optimizer.load_state_dict({"state": optim, "param_groups": optimizer.state_dict()["param_groups"]})
+    torch.set_rng_state(tensors["rng.torch"])
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def _train(
@@ -462,12 +880,26 @@ def _train(
     out_dir: Path,
     emit: Callable[[str], None],
     eval_rows: Sequence[Row] | None,
+    state_dir: Path | None,
 ) -> TrainResult:
-    if config.ttt_steps < 1 or config.epochs < 1 or config.batch_tokens < 1 or config.max_length < 2:
-        raise ValueError(
-            "ttt_steps, epochs and batch_tokens must be >= 1 and max_length >= 2; "
-            f"got {config.ttt_steps}, {config.epochs}, {config.batch_tokens}, {config.max_length}"
-        )
+    _check_config(config)
+    store = TrainState(state_dir) if state_dir is not None else None
+    if store is not None and out_dir.resolve() in (store.path.resolve(), *store.path.resolve().parents):
+        raise ValueError(f"state_dir {store.path} lies inside out_dir {out_dir}, which export replaces; move it out")
+    with store.lock() if store is not None else nullcontext():
+        return _train_locked(target_dir, rows, draft_vocab, config, out_dir, emit, eval_rows, store)
+
+
+def _train_locked(
+    target_dir: str | Path | nn.Module,
+    rows: Sequence[Row],
+    draft_vocab: DraftVocab,
+    config: TrainConfig,
+    out_dir: Path,
+    emit: Callable[[str], None],
+    eval_rows: Sequence[Row] | None,
+    store: TrainState | None,
+) -> TrainResult:
     target = load_target(target_dir)
     tconf = target.config
     _, layers, _, lm_head = decoder_parts(target)
@@ -497,17 +929,13 @@ def _train(
         f"features {'cached' if use_cache else 'recomputed per batch'}"
     )
 
-    t0 = time.perf_counter()
-    features = _Features(target, capture, prepared, use_cache, config.batch_tokens)
-    feature_seconds = time.perf_counter() - t0 if use_cache else 0.0
-
     dtype_name = config.export_dtype or _stored_dtype(target_dir, tconf)
     dconf = DrafterConfig.from_target(tconf, draft_vocab.draft_vocab_size, capture, config.intermediate_size)
-    with torch.random.fork_rng(devices=[]):  # seeded init without disturbing the caller's global RNG
-        torch.manual_seed(config.seed)
-        model = Eagle3DraftModel(
-            dconf, embed_weight=embed.float(), draft_token_ids=torch.from_numpy(draft_vocab.draft_token_ids)
-        )
+    # The caller runs us inside torch.random.fork_rng: seeding here neither reads nor disturbs its generator.
+    torch.manual_seed(config.seed)
+    model = Eagle3DraftModel(
+        dconf, embed_weight=embed.float(), draft_token_ids=torch.from_numpy(draft_vocab.draft_token_ids)
+    )
     model.train()
     draft_ids = torch.from_numpy(draft_vocab.draft_token_ids)
     teacher_w = lm_head.weight.detach()[draft_ids].float()
@@ -517,76 +945,116 @@ def _train(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
     batches = _make_batches(prepared, config.batch_tokens)
-    total_steps = len(batches) * config.epochs
+    n_batches = len(batches)
+    total_steps = n_batches * config.epochs
     warmup = config.warmup_steps if config.warmup_steps is not None else max(1, round(0.05 * total_steps))
     k = config.ttt_steps
     weights = [config.step_weight**i for i in range(k)]
 
-    steps: list[StepMetrics] = []
-    epochs: list[dict[str, Any]] = []
-    out_of_draft = 0
-    step_no = 0
-    tokens_done = 0
-    t_train = time.perf_counter()
-    for epoch in range(config.epochs):
-        rng = np.random.default_rng(config.seed + epoch)
-        order = rng.permutation(len(batches))
-        ep_loss_sum = np.zeros(k)
-        ep_correct = np.zeros(k)
-        ep_count = np.zeros(k)
-        ep_total = 0.0
-        for bi in order:
-            t_step = time.perf_counter()
-            batch = batches[int(bi)]
-            feats = features.get(batch)
-            ids = _pad([prepared[i].ids for i in batch])
-            aux = torch.nn.utils.rnn.pad_sequence([f[0] for f in feats], batch_first=True)
-            sup = _supervision(batch, feats, prepared, in_draft, teacher_w, teacher_b)
-            if epoch == 0:
-                out_of_draft += sup.out_of_draft
-            lr = _lr_at(step_no, total_steps, warmup, config.lr, config.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            total, per_step = _ttt_loss(model, aux, ids, sup, weights, draft_ids)
-            s_loss = [ce / n if n else None for n, ce, _ in per_step]
-            s_acc = [c / n if n else None for n, _, c in per_step]
-            s_n = [n for n, _, _ in per_step]
-            for i, (n, ce, correct) in enumerate(per_step):
-                ep_loss_sum[i] += ce
-                ep_correct[i] += correct
-                ep_count[i] += n
-            optimizer.zero_grad(set_to_none=True)
-            if total.requires_grad:
-                total.backward()
-                if config.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-                optimizer.step()
-            n_tok = int(sum(prepared[i].ids.size for i in batch))
-            tokens_done += n_tok
-            dt = time.perf_counter() - t_step
-            metrics = StepMetrics(step_no, epoch, float(total.detach()), s_loss, s_acc, s_n, lr, n_tok, dt)
-            steps.append(metrics)
-            ep_total += metrics.loss
+    progress = _Progress.fresh(k)
+    fingerprint: dict[str, Any] = {}
+    if store is not None:
+        t_hash = time.perf_counter()
+        fingerprint = _fingerprint(config, dconf, prepared, draft_vocab, target, warmup, total_steps)
+        snapshot, why_not = store.load(fingerprint)
+        if snapshot is not None:
+            why_not = _restore_tensors(model, optimizer, params, snapshot.tensors)
+        if snapshot is not None and why_not is None:
+            progress = _Progress.from_record(snapshot.step, snapshot.record, snapshot.steps)
+            epoch, batch_no = divmod(progress.step, n_batches)
             emit(
-                f"step {step_no + 1}/{total_steps} epoch {epoch + 1} loss {metrics.loss:.4f} "
-                f"ce@ttt [{_fmt(s_loss)}] acc@ttt [{_fmt(s_acc, 2)}] lr {lr:.2e} {n_tok / max(dt, 1e-9):.0f} tok/s"
+                f"resuming from {store.path}: {progress.step}/{total_steps} steps done (epoch {epoch + 1}, batch "
+                f"{batch_no}); inputs checked in {time.perf_counter() - t_hash:.1f}s"
+                + ("; training is complete, exporting the saved weights" if progress.step == total_steps else "")
             )
-            step_no += 1
-        summary = {
-            "epoch": epoch,
-            "loss": ep_total / max(1, len(batches)),
-            "step_loss": [float(s / c) if c else None for s, c in zip(ep_loss_sum, ep_count)],
-            "step_acc": [float(s / c) if c else None for s, c in zip(ep_correct, ep_count)],
-            "supervised": [int(c) for c in ep_count],
-        }
-        epochs.append(summary)
-        emit(
-            f"epoch {epoch + 1}: mean loss {summary['loss']:.4f} acc@ttt [{_fmt(summary['step_acc'], 3)}]"
+        elif why_not is not None:
+            line = f"training state in {store.path} not resumed, training from scratch: {why_not}"
+            emit(line)
+            notes.append(line)
+            store.clear()
+
+    t0 = time.perf_counter()
+    features = _Features(target, capture, prepared, use_cache and progress.step < total_steps, config.batch_tokens)
+    feature_seconds = time.perf_counter() - t0 if features.cache is not None else 0.0
+
+    def save_state() -> None:
+        store.save(
+            progress.step, _state_tensors(model, optimizer), {"fingerprint": fingerprint, **progress.record()},
+            progress.steps,
         )
-    train_seconds = time.perf_counter() - t_train
-    tokens_per_s = tokens_done / max(train_seconds, 1e-9)
-    if out_of_draft:
-        notes.append(f"{out_of_draft} teacher positions had a target argmax outside the draft vocab (not trained)")
+
+    resumed_from = progress.step
+    state_seconds = 0.0
+    seconds_before = progress.train_seconds
+    order_of: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
+    t_train = time.perf_counter()
+    for step_no in range(progress.step, total_steps):
+        epoch, batch_no = divmod(step_no, n_batches)
+        if batch_no == 0:
+            progress.new_epoch(k)
+        if order_of[0] != epoch:
+            order_of = (epoch, epoch_order(config.seed, epoch, n_batches))
+        t_step = time.perf_counter()
+        batch = batches[int(order_of[1][batch_no])]
+        feats = features.get(batch)
+        ids = _pad([prepared[i].ids for i in batch])
+        aux = torch.nn.utils.rnn.pad_sequence([f[0] for f in feats], batch_first=True)
+        sup = _supervision(batch, feats, prepared, in_draft, teacher_w, teacher_b)
+        if epoch == 0:
+            progress.out_of_draft += sup.out_of_draft
+        lr = lr_at(step_no, total_steps, warmup, config.lr, config.min_lr_ratio, config.schedule)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        total, per_step = _ttt_loss(model, aux, ids, sup, weights, draft_ids)
+        s_loss = [ce / n if n else None for n, ce, _ in per_step]
+        s_acc = [c / n if n else None for n, _, c in per_step]
+        s_n = [n for n, _, _ in per_step]
+        for i, (n, ce, correct) in enumerate(per_step):
+            progress.loss_sum[i] += ce
+            progress.correct[i] += correct
+            progress.count[i] += n
+        optimizer.zero_grad(set_to_none=True)
+        if total.requires_grad:
+            total.backward()
+            if config.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+            optimizer.step()
+        n_tok = int(sum(prepared[i].ids.size for i in batch))
+        progress.tokens_done += n_tok
+        dt = time.perf_counter() - t_step
+        metrics = StepMetrics(step_no, epoch, float(total.detach()), s_loss, s_acc, s_n, lr, n_tok, dt)
+        progress.steps.append(metrics)
+        progress.step = step_no + 1
+        progress.loss_total += metrics.loss
+        emit(
+            f"step {step_no + 1}/{total_steps} epoch {epoch + 1} loss {metrics.loss:.4f} "
+            f"ce@ttt [{_fmt(s_loss)}] acc@ttt [{_fmt(s_acc, 2)}] lr {lr:.2e} {n_tok / max(dt, 1e-9):.0f} tok/s"
+        )
+        epoch_end = batch_no == n_batches - 1
+        if epoch_end:
+            summary = {
+                "epoch": epoch,
+                "loss": progress.loss_total / n_batches,
+                "step_loss": [float(s / c) if c else None for s, c in zip(progress.loss_sum, progress.count)],
+                "step_acc": [float(s / c) if c else None for s, c in zip(progress.correct, progress.count)],
+                "supervised": [int(c) for c in progress.count],
+            }
+            progress.epochs.append(summary)
+            emit(f"epoch {epoch + 1}: mean loss {summary['loss']:.4f} acc@ttt [{_fmt(summary['step_acc'], 3)}]")
+        every = config.save_every_steps
+        if store is not None and (epoch_end or (every and progress.step % every == 0)):
+            t_save = time.perf_counter()
+            progress.train_seconds = seconds_before + (t_save - t_train) - state_seconds
+            save_state()
+            state_seconds += time.perf_counter() - t_save
+    if progress.step > resumed_from:
+        progress.train_seconds = seconds_before + (time.perf_counter() - t_train) - state_seconds
+    train_seconds = progress.train_seconds
+    tokens_per_s = progress.tokens_done / max(train_seconds, 1e-9)
+    if progress.out_of_draft:
+        notes.append(
+            f"{progress.out_of_draft} teacher positions had a target argmax outside the draft vocab (not trained)"
+        )
 
     model.eval()
     report = export_checkpoint(model, tconf, draft_vocab, capture, out_dir, dtype=dtype_name)
@@ -605,14 +1073,14 @@ def _train(
     result = TrainResult(
         checkpoint_dir=out_dir,
         checkpoint=report,
-        steps=steps,
-        epochs=epochs,
+        steps=progress.steps,
+        epochs=progress.epochs,
         rows_used=len(prepared),
         rows_skipped=sum(reasons.values()),
         skip_reasons=reasons,
         rows_truncated=truncated,
         tokens_per_epoch=tokens_per_epoch,
-        out_of_draft_positions=out_of_draft,
+        out_of_draft_positions=progress.out_of_draft,
         feature_seconds=feature_seconds,
         train_seconds=train_seconds,
         tokens_per_s=tokens_per_s,
@@ -621,6 +1089,9 @@ def _train(
         config=config,
         acceptance=acceptance,
         notes=notes,
+        resumed_from_step=resumed_from,
+        state_dir=store.path if store is not None else None,
+        state_seconds=state_seconds,
     )
     (out_dir / "training_metrics.json").write_text(json.dumps(result.to_dict(), indent=1) + "\n")
     return result
