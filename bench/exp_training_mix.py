@@ -14,8 +14,8 @@ beside long-reasoning ones with few. On the embedded default this script
 4. trains a drafter on each (the catalog's training recipe) and measures tau on the held-out target generations of
    the long-reasoning partitions and of the short ones.
 
-Usage: ``.venv/bin/python bench/exp_training_mix.py [--short-records 250] [--budget 30000]``. Takes ~15 min on
-2 CPU cores (generation of ~600 rows, then two drafter trainings).
+Usage: ``.venv/bin/python bench/exp_training_mix.py [--short-records 250] [--budget 30000]``. Takes ~10-20 min on
+2 CPU cores (generation of ~600 rows, then six drafter trainings of 30k tokens).
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=30_000, help="completion tokens of each training set")
     ap.add_argument("--holdout-fraction", type=float, default=0.25)
     ap.add_argument("--storage-root", type=Path, default=None)
+    ap.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0, 1, 2],
+                    help="seeds, comma-separated (default 0,1,2); each training set is built and trained per seed")
     args = ap.parse_args(argv)
 
     from eagle_assets.assets.resources import PipelineSettings, TargetModel
@@ -91,32 +93,47 @@ def main(argv: list[str] | None = None) -> int:
     heldout: dict[str, list] = {k: [] for k in keys}
     for _s, ids, mask, k in load_training_rows(settings, keys, holdout=True):
         heldout[k].append((ids, mask))
-    mixes = {
-        "balanced": build_mix(candidates, catalog.training.mix.model_copy(update={"token_budget": args.budget}), keys),
-        "concat": build_mix(candidates, catalog.training.mix.model_copy(
-            update={"mode": "concat", "token_budget": args.budget}), keys),
-    }
-    for name, mix in mixes.items():
-        print(f"\n{name} mix ({mix.tokens} tokens):\n{mix_table_markdown(mix)}")
-    print(f"\nheld-out rows: { {k: len(v) for k, v in heldout.items()} }", flush=True)
     model_dir = TargetModel(model=catalog.target.model).resolve()
-    results = {}
-    for name, mix in mixes.items():
-        train = [rows[(c.partition, c.sample_id)] for c in mix.selected]
-        results[name] = train_and_measure(model_dir, train, heldout, catalog.training, work / name)
-        results[name]["short_token_share"] = round(mix.share(mix.after, bucket="<300"), 4)
-    print("\n| training set | tokens | share <300 | " + " | ".join(f"tau {k}" for k in keys)
+    print(f"held-out rows: { {k: len(v) for k, v in heldout.items()} }; seeds {args.seeds}", flush=True)
+    results: dict[str, list[dict]] = {"balanced": [], "concat": []}
+    for seed in args.seeds:
+        # The seed moves the mix's row order, the drafter's initialization and its batch order; the held-out rows
+        # stay the same for every run.
+        spec = catalog.training.model_copy(update={"seed": seed})
+        mixes = {
+            "balanced": build_mix(candidates, catalog.training.mix.model_copy(
+                update={"token_budget": args.budget, "seed": seed}), keys),
+            "concat": build_mix(candidates, catalog.training.mix.model_copy(
+                update={"mode": "concat", "token_budget": args.budget, "seed": seed}), keys),
+        }
+        for name, mix in mixes.items():
+            if seed == args.seeds[0]:
+                print(f"\n{name} mix, seed {seed} ({mix.tokens} tokens):\n{mix_table_markdown(mix)}", flush=True)
+            train = [rows[(c.partition, c.sample_id)] for c in mix.selected]
+            r = train_and_measure(model_dir, train, heldout, spec, work / f"{name}-seed{seed}")
+            r["short_token_share"] = round(mix.share(mix.after, bucket="<300"), 4)
+            r["tau_long"] = round(float(np.mean([r["tau"][k] for k in LONG])), 4)
+            r["tau_short"] = round(float(np.mean([r["tau"][k] for k in SHORT])), 4)
+            results[name].append(r)
+    print("\n| training set | seed | tokens | share <300 | " + " | ".join(f"tau {k}" for k in keys)
           + " | tau long (B4, B5) | tau short (B1, B2) |")
-    print("|---|---|---|" + "---|" * len(keys) + "---|---|")
-    for name, r in results.items():
-        r["tau_long"] = round(float(np.mean([r["tau"][k] for k in LONG])), 4)
-        r["tau_short"] = round(float(np.mean([r["tau"][k] for k in SHORT])), 4)
-        print(f"| {name} | {r['train_tokens']} | {r['short_token_share']:.1%} | "
-              + " | ".join(f"{r['tau'][k]:.3f}" for k in keys) + f" | {r['tau_long']:.3f} | {r['tau_short']:.3f} |")
-    b, c = results["balanced"], results["concat"]
+    print("|---|---|---|---|" + "---|" * len(keys) + "---|---|")
+    for name, runs in results.items():
+        for seed, r in zip(args.seeds, runs):
+            print(f"| {name} | {seed} | {r['train_tokens']} | {r['short_token_share']:.1%} | "
+                  + " | ".join(f"{r['tau'][k]:.3f}" for k in keys) + f" | {r['tau_long']:.3f} | {r['tau_short']:.3f} |")
+    summary = {}
+    for name, runs in results.items():
+        summary[name] = {f: float(np.mean([r[f] for r in runs])) for f in ("tau_long", "tau_short")}
+        summary[name].update({f"{f}_sd": float(np.std([r[f] for r in runs], ddof=1)) if len(runs) > 1 else 0.0
+                              for f in ("tau_long", "tau_short")})
+        m = summary[name]
+        print(f"{name}: tau long {m['tau_long']:.3f} (sd {m['tau_long_sd']:.3f}), tau short {m['tau_short']:.3f} "
+              f"(sd {m['tau_short_sd']:.3f}) over {len(args.seeds)} seeds")
+    b, c = summary["balanced"], summary["concat"]
     print(f"\nbalanced vs concat: tau long {b['tau_long'] / c['tau_long'] - 1:+.1%}, "
           f"tau short {b['tau_short'] / c['tau_short'] - 1:+.1%}")
-    (work / "summary.json").write_text(json.dumps(results, indent=2))
+    (work / "summary.json").write_text(json.dumps({"runs": results, "summary": summary}, indent=2))
     return 0
 
 
