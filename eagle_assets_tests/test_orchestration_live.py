@@ -136,7 +136,9 @@ def _catalog(root: Path, target: Path) -> Path:
         "server": {"url": None, "launch": "embedded", "api_key_env": KEY_ENV, "concurrency": 8},
         "partitions": {"B1_glaive": b1, "B2_code": b2},
         "training": {**base["training"], "epochs": 1, "max_length": 512, "batch_tokens": 2048,
-                     "holdout_fraction": 0.25, "acceptance_max_positions": 16},
+                     "holdout_fraction": 0.25, "acceptance_max_positions": 16,
+                     # both partitions are short: the default cap on short rows would leave no training row
+                     "mix": {**base["training"]["mix"], "bucket_caps": []}},
     }
     path = root / "live.yaml"
     path.write_text(yaml.safe_dump(catalog, sort_keys=False))
