@@ -85,7 +85,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     t_all = time.monotonic()
     for key in keys:
         t0 = time.monotonic()
-        result = defs.get_job_def(PARTITION_JOB).execute_in_process(
+        result = defs.resolve_job_def(PARTITION_JOB).execute_in_process(
             partition_key=key, instance=instance, raise_on_error=False
         )
         status = "ok" if result.success else "FAILED (see the check results / run logs)"
@@ -98,7 +98,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"\nlength report: {report}\n{report.read_text()}")
     if not args.skip_training:
         t0 = time.monotonic()
-        result = defs.get_job_def(TRAINING_JOB).execute_in_process(instance=instance, raise_on_error=False)
+        result = defs.resolve_job_def(TRAINING_JOB).execute_in_process(instance=instance, raise_on_error=False)
         print(f"training: {'ok' if result.success else 'FAILED'} in {time.monotonic() - t0:.1f} s "
               f"(run {result.run_id})", flush=True)
         ckpt = layout.base / "drafter_checkpoint" / "checkpoint"

@@ -58,6 +58,7 @@ def test_share_a_partition_cannot_fill_goes_to_others():
     result = build_mix(rows, MixSpec(token_budget=10_000))
     assert result.tokens == 10_000
     assert sum(1 for c in result.selected if c.partition == "few") == 5
+    assert not any(n.startswith("few") for n in result.notes)  # all its rows are in: nothing to warn about
 
 
 def test_deterministic_for_a_seed_whatever_the_row_order(candidates):
@@ -75,6 +76,7 @@ def test_unbudgeted_cap_is_a_share_of_the_mix_itself(candidates):
     result = build_mix(candidates, MixSpec(bucket_caps=[{"below_tokens": 300, "max_share": 0.2}]))
     assert _short_share(result) <= 0.2 + 1e-9
     assert any("of the" in n and "budget" in n for n in result.notes)
+    assert any(n.startswith("short:") and "capped bucket" in n for n in result.notes)
     # Every long row is kept: only the capped bucket gives way.
     assert sum(1 for c in result.selected if c.tokens >= 300) == sum(1 for c in candidates if c.tokens >= 300)
 
