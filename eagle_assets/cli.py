@@ -55,6 +55,23 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_summary_lines(result) -> list[str]:
+    """One line per asset check of a job result that failed or passed with a WARN finding: name, level, figures."""
+    import dagster as dg
+
+    lines = []
+    for event in result.all_events:
+        if event.event_type_value != "ASSET_CHECK_EVALUATION":
+            continue
+        data = event.asset_check_evaluation_data
+        description = data.description or ""
+        if data.passed and "WARN" not in description:
+            continue
+        level = "WARN" if data.passed or data.severity == dg.AssetCheckSeverity.WARN else "ERROR"
+        lines.append(f"  check {data.asset_key.to_user_string()}.{data.check_name} {level} -- {description}")
+    return lines
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     home = _ensure_dagster_home()
     if args.catalog:
@@ -90,6 +107,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
         status = "ok" if result.success else "FAILED (see the check results / run logs)"
         print(f"partition {key}: {status} in {time.monotonic() - t0:.1f} s (run {result.run_id})", flush=True)
+        for line in check_summary_lines(result):
+            print(line, flush=True)
         if not result.success:
             failed.append(key)
     layout = Layout(Path(settings.storage_root), catalog_path.stem)
@@ -101,6 +120,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         result = defs.resolve_job_def(TRAINING_JOB).execute_in_process(instance=instance, raise_on_error=False)
         print(f"training: {'ok' if result.success else 'FAILED'} in {time.monotonic() - t0:.1f} s "
               f"(run {result.run_id})", flush=True)
+        for line in check_summary_lines(result):
+            print(line, flush=True)
         ckpt = layout.base / "drafter_checkpoint" / "checkpoint"
         if result.success:
             print(f"drafter checkpoint: {ckpt}\n  serve with: python -m sglang.launch_server --model-path <target> "

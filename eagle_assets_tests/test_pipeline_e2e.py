@@ -90,6 +90,12 @@ def test_truncated_partition_fails_blocking_check_and_stops_downstream(pipeline)
     structure = _check(result, "token_structure")
     assert not structure.passed and structure.metadata["share_truncated_in_reasoning"].value == 1.0
     assert result.asset_materializations_for_node("length_report") == []
+    from eagle_assets.cli import check_summary_lines
+
+    lines = check_summary_lines(result)  # what `eagle-assets run` prints under the partition's status line
+    assert any(l.startswith("  check qc_shards.response_length ERROR -- ") and "ERROR: share_truncated = 1 > "
+               "threshold 0.1" in l for l in lines), lines
+    assert any(l.startswith("  check qc_shards.token_structure ERROR -- ERROR: share_dropped = 1") for l in lines), lines
     status = json.loads((store / "qc_shards" / "B1_cut" / "qc_status.json").read_text())
     assert status["passed"] is False
 
