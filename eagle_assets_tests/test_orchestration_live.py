@@ -428,7 +428,12 @@ def test_source_sensor_on_the_daemon_launches_edits_once(deployment, backfilled)
     _stop_sensor(dep, "source_files_sensor")
     assert replay.status == TickStatus.SKIPPED and not replay.run_ids, replay
     assert partition_runs() == before | {run.run_id}
-    assert f"already completed with run keys: [\"{run.tags['dagster/run_key']}\"]" in dep.daemon.log.read_text()
+    # The daemon stores the tick before its log line about the skipped run key reaches the file: wait for the line.
+    expected = f"already completed with run keys: [\"{run.tags['dagster/run_key']}\"]"
+    deadline = time.monotonic() + 30
+    while expected not in dep.daemon.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert expected in dep.daemon.log.read_text()
 
 
 def test_training_sensor_on_the_daemon_trains_once_on_fresh_qc(deployment, backfilled):
