@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle_assets.serving.client import GenerateClient, run_sync  # noqa: E402
 from eagle_assets.serving.launch import READY_PREFIX  # noqa: E402
 from eagle_assets.serving.protocol import GenerateReply, ReplyError, SamplingParams, parse_reply  # noqa: E402
+from schedstat import runq_wait_s  # noqa: E402
 
 VOCAB = 32000
 
@@ -65,21 +66,6 @@ def _proc_cpu_s(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
-
-
-def _runq_wait_s() -> float:
-    """Seconds the threads of this process have spent runnable but waiting for a CPU (Linux schedstat).
-
-    Threads that already exited are not counted, so callers read it while their workers are alive.
-    """
-    total = 0
-    try:
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/schedstat") as fh:
-                total += int(fh.read().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0.0
-    return total / 1e9
 
 
 def _self_cpu_s() -> float:
@@ -112,9 +98,9 @@ def run_ours(url: str, items, sampling: SamplingParams, concurrency: int) -> dic
         if isinstance(result, GenerateReply):
             ok[0] += 1
 
-    q0, t0 = _runq_wait_s(), time.perf_counter()
+    q0, t0 = runq_wait_s(), time.perf_counter()
     run_sync(client.generate_many(items, sampling, vocab_size=VOCAB, on_result=on_result))
-    wall, runq = time.perf_counter() - t0, _runq_wait_s() - q0
+    wall, runq = time.perf_counter() - t0, runq_wait_s() - q0
     return {"ok": ok[0], "n": len(items), "wall_s": wall, "req_s": len(items) / wall, "runq_s": runq}
 
 
@@ -141,10 +127,10 @@ def run_threads(url: str, items, sampling: SamplingParams, concurrency: int) -> 
             return False
         return True
 
-    q0, t0 = _runq_wait_s(), time.perf_counter()
+    q0, t0 = runq_wait_s(), time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         ok = sum(pool.map(one, items))
-        wall, runq = time.perf_counter() - t0, _runq_wait_s() - q0  # while the worker threads still exist
+        wall, runq = time.perf_counter() - t0, runq_wait_s() - q0  # while the worker threads still exist
     return {"ok": ok, "n": len(items), "wall_s": wall, "req_s": len(items) / wall, "runq_s": runq}
 
 

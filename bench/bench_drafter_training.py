@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle_assets.drafter.features import aux_layer_ids, head_argmax, run_target  # noqa: E402
 from eagle_assets.drafter.train import TrainConfig, train_drafter  # noqa: E402
 from eagle_assets.drafter.vocab import build_draft_vocab  # noqa: E402
+from schedstat import runq_wait_s  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -120,19 +121,6 @@ class Shape:
         flops["lm_head"] = 3 * sum(2.0 * n * self.hidden * self.draft_vocab for n in supervised)
         flops["teacher"] = 2.0 * supervised[0] * self.hidden * self.draft_vocab
         return flops
-
-
-def runq_wait_s() -> float:
-    """Seconds the live threads of this process have spent runnable but waiting for a CPU (Linux schedstat; 0.0
-    elsewhere)."""
-    total = 0
-    try:
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/schedstat") as fh:
-                total += int(fh.read().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0.0
-    return total / 1e9
 
 
 def time_matmul(a: torch.Tensor, b: torch.Tensor, repeats: int) -> tuple[float, float]:

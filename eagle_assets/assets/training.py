@@ -54,7 +54,8 @@ def mix_candidates(settings: PipelineSettings, keys: list[str]):
     return out
 
 
-def _target_vocab_size(model_dir: Path) -> int:
+def target_vocab_size(model_dir: Path) -> int:
+    """``vocab_size`` of a target model directory's config.json (top level or ``text_config``)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     return int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
 
@@ -66,7 +67,7 @@ def build_training_assets() -> list:
     def draft_vocab(context: dg.AssetExecutionContext, settings: PipelineSettings,
                     target: TargetModel) -> dg.MaterializeResult:
         """Draft vocab (d2t, t2d) from token counts over loss-masked completion tokens of every passing partition."""
-        from eagle_assets.drafter.vocab import build_draft_vocab, validate_draft_vocab
+        from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens, validate_draft_vocab
 
         keys, excluded = passing_partitions(settings)
         for key, why in excluded.items():
@@ -77,13 +78,12 @@ def build_training_assets() -> list:
                 "partition and fix its failed checks first",
                 metadata={"excluded": dg.MetadataValue.json(excluded)},
             )
-        vocab_size = _target_vocab_size(target.resolve())
-        counts = np.zeros(vocab_size, dtype=np.int64)
+        vocab_size = target_vocab_size(target.resolve())
+        rows = load_training_rows(settings, keys, holdout=False)
+        counts = count_completion_tokens([(ids, mask) for _s, ids, mask, _k in rows], vocab_size)
         per_partition = Counter()
-        for _sid, ids, mask, key in load_training_rows(settings, keys, holdout=False):
-            completion = ids[mask.astype(bool)]
-            counts += np.bincount(completion, minlength=vocab_size)[:vocab_size]
-            per_partition[key] += int(completion.size)
+        for _sid, _ids, mask, key in rows:
+            per_partition[key] += int(mask.sum())
         size = settings.catalog().training.draft_vocab_size
         vocab = build_draft_vocab(counts, vocab_size, size)
         validate_draft_vocab(vocab.d2t, vocab.t2d, vocab_size)
@@ -296,22 +296,11 @@ def _jsonable(obj):
 
 
 def _loss_png(losses: list[float]) -> bytes:
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from eagle_assets.quality.plots import figure_png, plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.0), dpi=80)
-    try:
-        ax.plot(losses)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("TTT loss")
-        ax.set_title("drafter training loss", fontsize=10)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return buf.getvalue()
-    finally:
-        plt.close(fig)
+    ax.plot(losses)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("TTT loss")
+    ax.set_title("drafter training loss", fontsize=10)
+    return figure_png(fig)

@@ -50,14 +50,13 @@ def train_and_measure(
     from eagle_assets.drafter.acceptance import simulate_acceptance
     from eagle_assets.drafter.export import load_drafter
     from eagle_assets.drafter.train import TrainConfig, train_drafter
-    from eagle_assets.drafter.vocab import build_draft_vocab
+    from eagle_assets.assets.training import target_vocab_size
+    from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    vocab_size = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for ids, mask in train_rows:
-        counts += np.bincount(np.asarray(ids)[np.asarray(mask).astype(bool)], minlength=vocab_size)[:vocab_size]
+    vocab_size = target_vocab_size(model_dir)
+    counts = count_completion_tokens(train_rows, vocab_size)
     vocab = build_draft_vocab(counts, vocab_size, training.draft_vocab_size)
     config = TrainConfig(lr=training.lr, epochs=training.epochs, max_length=training.max_length,
                          batch_tokens=training.batch_tokens, ttt_steps=training.ttt_steps, seed=training.seed,

@@ -231,29 +231,18 @@ def mix_table_markdown(result: MixResult) -> str:
 
 def mix_png(result: MixResult) -> bytes:
     """Stacked bars of tokens per partition and bucket, before and after (PNG bytes, matplotlib Agg)."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from eagle_assets.quality.plots import figure_png, plt
 
     parts = list(result.before)
     fig, axes = plt.subplots(1, 2, figsize=(8.0, 3.2), dpi=80, sharey=True)
-    try:
-        for ax, (title, table) in zip(axes, (("all QC rows", result.before), ("training mix", result.after))):
-            bottom = [0] * len(parts)
-            for b in result.buckets:
-                vals = [table.get(p, {}).get(b, {"tokens": 0})["tokens"] for p in parts]
-                ax.bar(range(len(parts)), vals, bottom=bottom, label=b)
-                bottom = [x + y for x, y in zip(bottom, vals)]
-            ax.set_xticks(range(len(parts)), parts, rotation=20, fontsize=7, ha="right")
-            ax.set_title(title, fontsize=10)
-        axes[0].set_ylabel("completion tokens")
-        axes[1].legend(title="completion length", fontsize=7)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return buf.getvalue()
-    finally:
-        plt.close(fig)
+    for ax, (title, table) in zip(axes, (("all QC rows", result.before), ("training mix", result.after))):
+        bottom = [0] * len(parts)
+        for b in result.buckets:
+            vals = [table.get(p, {}).get(b, {"tokens": 0})["tokens"] for p in parts]
+            ax.bar(range(len(parts)), vals, bottom=bottom, label=b)
+            bottom = [x + y for x, y in zip(bottom, vals)]
+        ax.set_xticks(range(len(parts)), parts, rotation=20, fontsize=7, ha="right")
+        ax.set_title(title, fontsize=10)
+    axes[0].set_ylabel("completion tokens")
+    axes[1].legend(title="completion length", fontsize=7)
+    return figure_png(fig)

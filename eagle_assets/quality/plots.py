@@ -12,6 +12,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def figure_png(fig) -> bytes:
+    """PNG bytes of a matplotlib figure, which is closed afterwards (figures are not freed otherwise)."""
+    try:
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue()
+    finally:
+        plt.close(fig)
+
+
 def length_histogram_png(
     series: Mapping[str, Sequence[int]],
     title: str,
@@ -25,24 +36,18 @@ def length_histogram_png(
     visible at a glance.
     """
     fig, ax = plt.subplots(figsize=(6.4, 3.2), dpi=80)
-    try:
-        for label, values in series.items():
-            if len(values):
-                ax.hist(list(values), bins=bins, alpha=0.55, label=f"{label} (n={len(values)})")
-        if short_tokens is not None:
-            ax.axvline(short_tokens, color="red", linestyle="--", linewidth=1, label=f"short < {short_tokens}")
-        if cap is not None:
-            ax.axvline(cap, color="black", linestyle=":", linewidth=1, label=f"cap {cap}")
-        ax.set_xlabel("tokens")
-        ax.set_ylabel("rows")
-        ax.set_title(title, fontsize=10)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return buf.getvalue()
-    finally:
-        plt.close(fig)
+    for label, values in series.items():
+        if len(values):
+            ax.hist(list(values), bins=bins, alpha=0.55, label=f"{label} (n={len(values)})")
+    if short_tokens is not None:
+        ax.axvline(short_tokens, color="red", linestyle="--", linewidth=1, label=f"short < {short_tokens}")
+    if cap is not None:
+        ax.axvline(cap, color="black", linestyle=":", linewidth=1, label=f"cap {cap}")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("rows")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    return figure_png(fig)
 
 
 def png_markdown(png: bytes, alt: str = "histogram") -> str:
