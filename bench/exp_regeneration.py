@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from eagle_assets.assets.qc import passing_partitions
     from eagle_assets.assets.resources import PipelineSettings, TargetModel
-    from eagle_assets.target.profile import detect_profile
-    from eagle_assets.target.tokenizer import load_tokenizer
+    from eagle_assets.target_model.profile import detect_profile
+    from eagle_assets.target_model.tokenizer import load_tokenizer
 
     catalog_path = (args.catalog or default_catalog_path()).resolve()
     catalog = load_catalog(catalog_path)

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from eagle_assets.formats import FormatError, known_formats, resolve_format
 from eagle_assets.quality.segment import DROP_REASONS
-from eagle_assets.target.profile import OVERRIDE_KEYS as PROFILE_OVERRIDE_KEYS
+from eagle_assets.target_model.profile import OVERRIDE_KEYS as PROFILE_OVERRIDE_KEYS
 
 PARTITION_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*$")
 CATALOG_ENV = "EAGLE_ASSETS_CATALOG"

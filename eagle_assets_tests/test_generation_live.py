@@ -25,7 +25,7 @@ from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.protocol import SamplingParams
 from eagle_assets.serving.stub_server import StubServer, serve_stub_in_thread, stub_truncates
 from eagle_assets.storage import read_shards
-from eagle_assets.target.profile import FamilyProfile
+from eagle_assets.target_model.profile import FamilyProfile
 
 VOCAB = 500
 STOP, THINK_END, THINK_START, TOOL_START, TOOL_END = 2, 3, 4, 5, 6

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle_assets.target import detect_profile, load_tokenizer, render_prompt
-from eagle_assets.target.kimi import _bytes_to_unicode, _merge_parts, load_kimi_tokenizer, read_tiktoken_ranks
+from eagle_assets.target_model import detect_profile, load_tokenizer, render_prompt
+from eagle_assets.target_model.kimi import _bytes_to_unicode, _merge_parts, load_kimi_tokenizer, read_tiktoken_ranks
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 KIMI = SHARED / "tokenizers" / "kimi-k2.5"

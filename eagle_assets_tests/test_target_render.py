@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from eagle_assets.formats import build_prompt, load_records
-from eagle_assets.target import (
+from eagle_assets.target_model import (
     FamilyProfile,
     ProfileError,
     RenderError,
@@ -18,7 +18,7 @@ from eagle_assets.target import (
     load_tokenizer,
     render_prompt,
 )
-from eagle_assets.target.tokenizer import TokenizerLoadError
+from eagle_assets.target_model.tokenizer import TokenizerLoadError
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 TOK = SHARED / "tokenizers"

@@ -81,8 +81,8 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         from eagle_assets.quality.live import LiveQualityMonitor
         from eagle_assets.serving.client import GenerateClient
         from eagle_assets.serving.protocol import SamplingParams
-        from eagle_assets.target.profile import detect_profile
-        from eagle_assets.target.tokenizer import load_tokenizer
+        from eagle_assets.target_model.profile import detect_profile
+        from eagle_assets.target_model.tokenizer import load_tokenizer
 
         key = context.partition_key
         catalog = settings.catalog()

@@ -118,9 +118,9 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel
     ) -> dg.MaterializeResult:
         """Prompt token ids from the target's chat template (add_generation_prompt=True), rendered once, never re-tokenized."""
-        from eagle_assets.target.profile import detect_profile
-        from eagle_assets.target.render import RenderError, render_prompt
-        from eagle_assets.target.tokenizer import load_tokenizer
+        from eagle_assets.target_model.profile import detect_profile
+        from eagle_assets.target_model.render import RenderError, render_prompt
+        from eagle_assets.target_model.tokenizer import load_tokenizer
 
         key = context.partition_key
         catalog = settings.catalog()

@@ -96,8 +96,8 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
     )
     def qc_shards(context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel):
         """Training rows input_ids = prompt_ids + output_ids with loss_mask; broken rows dropped with a named reason."""
-        from eagle_assets.target.profile import detect_profile
-        from eagle_assets.target.tokenizer import load_tokenizer
+        from eagle_assets.target_model.profile import detect_profile
+        from eagle_assets.target_model.tokenizer import load_tokenizer
 
         key = context.partition_key
         catalog = settings.catalog()

@@ -14,7 +14,7 @@ def load_tokenizer(path_or_name: str | Path) -> Any:
     """Load a tokenizer with ``AutoTokenizer.from_pretrained(..., local_files_only=True)``.
 
     A directory holding ``tiktoken.model`` and no ``tokenizer.json`` (Kimi-K2/K2.5, whose own loader is remote
-    code) is built with :func:`eagle_assets.target.kimi.load_kimi_tokenizer`. A hub id is looked up in the local
+    code) is built with :func:`eagle_assets.target_model.kimi.load_kimi_tokenizer`. A hub id is looked up in the local
     Hugging Face cache only.
 
     Raises:
@@ -25,7 +25,7 @@ def load_tokenizer(path_or_name: str | Path) -> Any:
     path = Path(str(path_or_name)).expanduser()
     if path.is_dir():
         if (path / "tiktoken.model").is_file() and not (path / "tokenizer.json").is_file():
-            from eagle_assets.target.kimi import load_kimi_tokenizer
+            from eagle_assets.target_model.kimi import load_kimi_tokenizer
 
             return load_kimi_tokenizer(path)
         try:
@@ -44,7 +44,7 @@ def load_tokenizer(path_or_name: str | Path) -> Any:
 
 
 def load_kimi_tokenizer(model_dir: str | Path, chat_template_path: str | Path | None = None) -> Any:
-    """Kimi-K2/K2.5 tokenizer from ``tiktoken.model``; see :func:`eagle_assets.target.kimi.load_kimi_tokenizer`."""
-    from eagle_assets.target.kimi import load_kimi_tokenizer as build
+    """Kimi-K2/K2.5 tokenizer from ``tiktoken.model``; see :func:`eagle_assets.target_model.kimi.load_kimi_tokenizer`."""
+    from eagle_assets.target_model.kimi import load_kimi_tokenizer as build
 
     return build(model_dir, chat_template_path)

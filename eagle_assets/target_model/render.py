@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle_assets.target.profile import FamilyProfile
+from eagle_assets.target_model.profile import FamilyProfile
 
 # Render failure reasons (stable strings; the tokenized_prompts asset counts them like rejects).
 TOOLS_IGNORED = "tools_ignored"
