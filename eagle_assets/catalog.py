@@ -7,8 +7,9 @@ Shape (see catalogs/default.yaml)::
     partitions:
       <key>:  {description, sources: [{path, format}], prompt_policy, enable_thinking, sampling: {max_new_tokens,
                temperature, top_p, top_k}, limit, seed, max_prompt_tokens, thresholds: {...}}
-    training: {draft_vocab_size, ttt_steps, epochs, lr, schedule, warmup_steps, max_length, batch_tokens, seed,
-               save_every_steps, holdout_fraction, aux_layer_ids, acceptance..., mix: {...}}
+    training: {draft_vocab_size, ttt_steps, epochs, train_tokens, lr, schedule, warmup_steps, max_length,
+               batch_tokens, seed, save_every_steps, holdout_fraction | holdout_rows, validation_rows,
+               eval_every_tokens, patience, min_delta, aux_layer_ids, acceptance..., unseen_eval: {...}, mix: {...}}
 
 Relative source paths resolve against the catalog file's directory; ``${VAR}`` and ``${VAR:-default}`` in any
 string are expanded from the environment. Validation uses pydantic; every problem is reported as a
@@ -272,22 +273,73 @@ class MixSpec(_Strict):
         return v
 
 
+class UnseenEvalSpec(_Strict):
+    """Prompts from a source the drafter never trains on, for a second acceptance figure.
+
+    The ``drafter_checkpoint`` asset renders them with the target's chat template (as ``tokenized_prompts`` does),
+    generates greedily with the local target (``max_new_tokens`` each, stopping at the target's stop ids) and
+    simulates chain drafting on the result; the generations are cached beside the checkpoint.
+    """
+
+    description: str = ""
+    sources: list[SourceSpec] = Field(min_length=1)
+    prompt_policy: Literal["last_user", "first_user"] = "last_user"
+    enable_thinking: bool | None = None
+    max_new_tokens: int = Field(256, gt=0)
+    limit: int | None = Field(32, gt=0)
+    max_prompt_tokens: int | None = Field(2048, gt=0)
+
+    def resolved_sources(self, catalog_file: Path | None) -> list[tuple[Path, str]]:
+        """``[(absolute path, canonical format name)]``; relative paths resolve against ``catalog_file``'s directory.
+
+        Raises:
+            CatalogError: a source file does not exist.
+        """
+        out = []
+        base = Path(catalog_file).parent if catalog_file is not None else Path(".")
+        for i, src in enumerate(self.sources):
+            p = Path(src.path).expanduser()
+            p = (p if p.is_absolute() else base / p).resolve()
+            if not p.is_file():
+                raise CatalogError(
+                    catalog_file or "<catalog>", f"training.unseen_eval.sources[{i}].path",
+                    f"file {p} does not exist",
+                    "fix the path (relative paths resolve against the catalog file's directory) or remove unseen_eval",
+                )
+            out.append((p, resolve_format(src.format)))
+        return out
+
+
 class TrainingSpec(_Strict):
-    """Drafter training settings (EAGLE-3 defaults: 7 TTT steps, 32k draft vocab)."""
+    """Drafter training settings (EAGLE-3 defaults: 7 TTT steps, 32k draft vocab).
+
+    The run length is ``train_tokens`` capped at ``epochs`` passes (see ``eagle_assets.drafter.recipe``, which also
+    gives recommended values per target class). Held-out rows: per partition, ``holdout_rows`` rows (or, when
+    null, a ``holdout_fraction`` share) are never trained on and give the ``acceptance_length`` check; the next
+    ``validation_rows`` rows per partition are not trained on either and give the learning curve and early stopping.
+    """
 
     draft_vocab_size: int = Field(32000, gt=0)
     ttt_steps: int = Field(7, gt=0)
-    epochs: int = Field(2, gt=0)
-    lr: float = Field(3.0e-4, gt=0)
+    epochs: float | None = Field(10, gt=0)  # at most this many passes (null = no cap)
+    train_tokens: int | None = Field(None, gt=0)  # at most this many row tokens through the optimizer (null = no cap)
+    lr: float = Field(1.0e-4, gt=0)
     max_length: int = Field(2048, gt=0)
-    batch_tokens: int = Field(4096, gt=0)
+    batch_tokens: int = Field(16384, gt=0)
     seed: int = 0
     holdout_fraction: float = Field(0.1, ge=0, lt=1)
+    holdout_rows: int | None = Field(None, ge=0)  # a fixed count per partition instead of holdout_fraction
+    validation_rows: int = Field(0, ge=0)  # per partition, for the learning curve and early stopping
+    eval_every_tokens: int = Field(0, ge=0)  # learning-curve points every this many training tokens (0 = end only)
+    patience: int = Field(0, ge=0)  # early stop after this many points without a val-tau gain of min_delta (0 = off)
+    min_delta: float = Field(0.0, ge=0)
     aux_layer_ids: list[int] | None = None
-    # Acceptance-length check: simulated chain drafting of ttt_steps tokens on held-out rows.
-    acceptance_max_positions: int = Field(256, gt=0)  # verification points per partition
-    min_tau_margin: float = Field(0.05, ge=0)  # ERROR when mean tau <= 1 + margin: the drafter is useless
-    tau_warn: float = Field(1.5, ge=1)  # WARN under this mean tau
+    # Acceptance-length check: simulated chain drafting of acceptance_k tokens (SGLang --speculative-num-steps).
+    acceptance_k: int = Field(7, gt=0)
+    acceptance_max_positions: int | None = Field(None, gt=0)  # verification points per partition (null = all rows)
+    min_tau_margin: float = Field(0.05, ge=0)  # ERROR when mean held-out tau <= 1 + margin
+    tau_warn: float = Field(1.5, ge=1)  # WARN under this mean held-out tau
+    unseen_eval: UnseenEvalSpec | None = None
     warmup_steps: int | None = Field(None, ge=0)  # linear warm-up steps; null = 5% of all steps, 0 = none
     schedule: Literal["cosine", "constant"] = "cosine"  # learning rate after warm-up
     # Resumable training: a state (weights, AdamW moments, position) every this many steps and at each epoch end.
@@ -300,6 +352,12 @@ class TrainingSpec(_Strict):
         if v is not None and (len(v) != 3 or any(i < 0 for i in v)):
             raise ValueError("aux_layer_ids must be null (SGLang default [2, L//2, L-3]) or three non-negative layer ids")
         return v
+
+    @model_validator(mode="after")
+    def _run_length(self) -> TrainingSpec:
+        if self.epochs is None and self.train_tokens is None:
+            raise ValueError("set training.epochs or training.train_tokens (or both: the run stops at the first)")
+        return self
 
 
 class Catalog(_Strict):

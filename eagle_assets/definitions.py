@@ -1,6 +1,10 @@
 """Dagster ``Definitions`` of eagle-assets: the asset graph, its checks, jobs and resources for one catalog.
 
 The catalog (``$EAGLE_ASSETS_CATALOG``, default ``catalogs/default.yaml``) fixes the partitions: one per dataset.
+Every asset depends, besides its upstream assets, on the observable source assets of the inputs it reads
+(``assets.inputs``), carries a code version (``assets.versions``) and an automation condition
+(``assets.automation``). ``$EAGLE_ASSETS_EXECUTOR`` picks the executor of every run (``in_process``, or ``k8s``:
+one Kubernetes Job per step, ``eagle_assets.k8s``).
 """
 
 from __future__ import annotations
@@ -9,7 +13,17 @@ from pathlib import Path
 
 import dagster as dg
 
+from eagle_assets.assets.automation import asset_conditions
+from eagle_assets.assets.exports import build_export_assets
 from eagle_assets.assets.generation import build_generation_assets
+from eagle_assets.assets.inputs import (
+    PARTITION_INPUTS,
+    TARGET_MODEL,
+    TARGET_TOKENIZER,
+    TRAINING_SETTINGS,
+    build_input_assets,
+    with_inputs_and_versions,
+)
 from eagle_assets.assets.prompts import build_prompt_assets
 from eagle_assets.assets.qc import build_qc_assets
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
@@ -17,6 +31,7 @@ from eagle_assets.assets.schedules import build_schedules
 from eagle_assets.assets.sensors import build_sensors
 from eagle_assets.assets.training import build_training_assets
 from eagle_assets.catalog import default_catalog_path, load_catalog
+from eagle_assets.k8s import build_executor
 from eagle_assets.serving.resource import SGLangServerResource
 from eagle_assets.storage import default_storage_root
 
@@ -24,6 +39,9 @@ PARTITION_JOB = "partition_job"
 TRAINING_JOB = "training_job"
 PARTITION_ASSETS = ["raw_prompts", "tokenized_prompts", "generations", "qc_shards", "length_report"]
 TRAINING_ASSETS = ["draft_vocab", "training_mix", "drafter_checkpoint"]
+# Each run observes the inputs it reads first, so its materializations record current input data versions.
+PARTITION_JOB_INPUTS = [*PARTITION_INPUTS, TARGET_TOKENIZER, TARGET_MODEL]
+TRAINING_JOB_INPUTS = [TRAINING_SETTINGS, TARGET_MODEL]
 # Generation is per partition (its own prompts, sampling and server load), and a failed partition must not fail the
 # others: an asset backfill launches one run per partition (README "Backfills").
 PARTITION_BACKFILL_POLICY = dg.BackfillPolicy.multi_run(max_partitions_per_run=1)
@@ -33,11 +51,13 @@ def build_definitions(
     catalog_path: str | Path | None = None,
     storage_root: str | Path | None = None,
     sglang: SGLangServerResource | None = None,
+    executor: str | None = None,
 ) -> dg.Definitions:
     """Definitions for ``catalog_path`` writing under ``storage_root``.
 
     ``sglang`` overrides the server resource built from the catalog's ``server`` section (tests pass one that
-    points at their own server). Raises ``CatalogError`` for an invalid catalog.
+    points at their own server). ``executor``: ``in_process`` or ``k8s``; default ``$EAGLE_ASSETS_EXECUTOR``, else
+    ``in_process``. Raises ``CatalogError`` for an invalid catalog, ``ValueError`` for an unknown executor.
     """
     catalog_path = Path(catalog_path or default_catalog_path()).resolve()
     storage_root = Path(storage_root or default_storage_root()).resolve()
@@ -48,22 +68,30 @@ def build_definitions(
         *build_generation_assets(partitions_def),
         *build_qc_assets(partitions_def),
         *build_training_assets(),
+        *build_export_assets(),
     ]
+    conditions = asset_conditions()
     asset_defs = [
-        a.with_attributes(backfill_policy=PARTITION_BACKFILL_POLICY) if a.partitions_def is not None else a
+        with_inputs_and_versions(a, conditions)
         for a in assets if isinstance(a, dg.AssetsDefinition)
     ]
+    asset_defs = [
+        a.with_attributes(backfill_policy=PARTITION_BACKFILL_POLICY)
+        if isinstance(a, dg.AssetsDefinition) and a.partitions_def is not None else a
+        for a in [*build_input_assets(partitions_def), *asset_defs]
+    ]
     checks = [a for a in assets if not isinstance(a, dg.AssetsDefinition)]
+    executor_def = build_executor(catalog, executor)
     partition_job = dg.define_asset_job(
         PARTITION_JOB,
-        selection=dg.AssetSelection.assets(*PARTITION_ASSETS),
-        executor_def=dg.in_process_executor,
+        selection=dg.AssetSelection.assets(*PARTITION_JOB_INPUTS, *PARTITION_ASSETS),
+        executor_def=executor_def,
         description="One dataset partition from raw prompts to QC shards, then the refreshed length report.",
     )
     training_job = dg.define_asset_job(
         TRAINING_JOB,
-        selection=dg.AssetSelection.assets(*TRAINING_ASSETS),
-        executor_def=dg.in_process_executor,
+        selection=dg.AssetSelection.assets(*TRAINING_JOB_INPUTS, *TRAINING_ASSETS),
+        executor_def=executor_def,
         description="Draft vocab, training mix and EAGLE-3 drafter checkpoint from every partition whose QC passed.",
     )
     server = catalog.server
@@ -76,7 +104,8 @@ def build_definitions(
         assets=asset_defs,
         asset_checks=checks,
         jobs=[partition_job, training_job],
-        sensors=build_sensors(),
+        executor=executor_def,
+        sensors=build_sensors(list(catalog.partition_keys)),
         schedules=build_schedules(),
         resources={
             "settings": PipelineSettings(catalog_path=str(catalog_path), storage_root=str(storage_root)),

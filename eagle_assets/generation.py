@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -168,6 +168,7 @@ def run_generation(
     regenerate: bool = False,
     monitor=None,
     alarm: Callable[[str], None] | None = None,
+    control_ids: Collection[int] | None = None,
 ) -> GenerationStats:
     """Generate every prompt not yet in ``out_dir``'s shards; append new shards; rewrite ``failures.parquet``.
 
@@ -184,6 +185,9 @@ def run_generation(
         monitor: a fresh ``LiveQualityMonitor`` for this partition, or None (no live quality, no live_stats.json).
         alarm: called with one line per new live alarm (a figure's level changed) and once when the run is stopped;
             default ``progress``.
+        control_ids: the target's special and added token ids (``target_model.render.control_token_ids``), passed
+            to the client: the evidence for a prompt echo that the server counted in ``completion_tokens`` (None =
+            unknown; ``protocol.prompt_echo_length``).
     Returns: ``GenerationStats`` (``stopped_early`` when the monitor stopped the run).
     Raises:
         PartitionBusyError: another process is generating into ``out_dir``.
@@ -200,15 +204,18 @@ def run_generation(
         if regenerate:
             clear_shards(out_dir, extra=[FAILURES_FILE, LIVE_STATS_FILE])
         return _run_locked(prompts, out_dir, client, sampling, vocab_size, flush_rows, flush_seconds, progress,
-                           progress_every_s, monitor, alarm or progress)
+                           progress_every_s, monitor, alarm or progress,
+                           None if control_ids is None else frozenset(control_ids))
 
 
 def _seed_monitor(monitor, out_dir: Path, wanted: set[str]) -> None:
     # one shard at a time: a large partition's rows are never all in memory at once
     def rows() -> Iterator[dict]:
+        wanted_columns = ["sample_id", "output_ids", "finish_reason", "matched_stop", "completion_tokens",
+                          "prompt_tokens", "sampling_params"]
         for path in shard_paths(out_dir):
-            for row in pq.read_table(path, columns=["sample_id", "output_ids", "finish_reason", "matched_stop",
-                                                    "completion_tokens"]).to_pylist():
+            present = set(pq.read_schema(path).names)  # shards of older versions may lack columns
+            for row in pq.read_table(path, columns=[c for c in wanted_columns if c in present]).to_pylist():
                 if row["sample_id"] in wanted:
                     yield row
 
@@ -216,7 +223,8 @@ def _seed_monitor(monitor, out_dir: Path, wanted: set[str]) -> None:
 
 
 def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows, flush_seconds, progress,
-                progress_every_s, monitor=None, alarm=None) -> GenerationStats:
+                progress_every_s, monitor=None, alarm=None, control_ids: frozenset[int] | None = None
+                ) -> GenerationStats:
     from eagle_assets.serving.client import run_sync
 
     done = read_done_ids(out_dir)
@@ -358,7 +366,11 @@ def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows
 
         ticker = asyncio.ensure_future(timer())
         try:
-            await client.generate_many(pending(), sampling, vocab_size=vocab_size, on_result=on_result)
+            if control_ids is not None:
+                await client.generate_many(pending(), sampling, vocab_size=vocab_size, on_result=on_result,
+                                           control_ids=control_ids)
+            else:  # a client without the echo evidence (any object with the same generate_many) still works
+                await client.generate_many(pending(), sampling, vocab_size=vocab_size, on_result=on_result)
         finally:
             ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle_assets.drafter import train as train_mod
+from eagle_assets.drafter import train_state as state_mod
 from eagle_assets.drafter.train import TrainConfig, TrainState, epoch_order, lr_at, train_drafter
 from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
 from tiny_targets import tiny_qwen3
@@ -137,7 +137,7 @@ def test_killed_runs_resume_to_the_unbroken_weights(target_dir, rows, vocab, unb
 
 def test_a_save_killed_before_its_commit_is_never_loaded(target_dir, rows, vocab, unbroken, tmp_path, monkeypatch):
     state = tmp_path / "state"
-    real = train_mod._atomic_write
+    real = state_mod.atomic_write
     commits = []
 
     def dies_at_the_third_commit(path, write):
@@ -147,10 +147,10 @@ def test_a_save_killed_before_its_commit_is_never_loaded(target_dir, rows, vocab
                 raise Crash("killed while committing")
         real(path, write)
 
-    monkeypatch.setattr(train_mod, "_atomic_write", dies_at_the_third_commit)
+    monkeypatch.setattr(state_mod, "atomic_write", dies_at_the_third_commit)
     with pytest.raises(Crash):
         train_drafter(target_dir, rows, vocab, CONFIG, tmp_path / "ckpt", state_dir=state)
-    monkeypatch.setattr(train_mod, "_atomic_write", real)
+    monkeypatch.setattr(state_mod, "atomic_write", real)
     assert committed_step(state) == 4
     assert len((state / "steps.jsonl").read_text().splitlines()) == 6  # lines of the uncommitted save
     assert (state / "tensors-000000006.safetensors").exists()  # written, never named by a commit
@@ -247,3 +247,31 @@ def test_learning_rate_schedules_and_config_checks(unbroken):
     ):
         with pytest.raises(ValueError, match=message):
             train_drafter("unused", [], None, bad, "unused")
+
+
+def test_a_run_with_validation_and_early_stopping_resumes_to_the_same_curve_and_weights(
+        target_dir, rows, vocab, tmp_path):
+    validation = random_rows(3, seed=11)
+    # Evaluations every 2 steps (80 tokens per batch on average); a state after every evaluation.
+    config = replace(CONFIG, eval_every_tokens=160, patience=2, min_delta=0.0)
+    reference = train_drafter(target_dir, rows, vocab, config, tmp_path / "ref", validation_rows=validation)
+    assert reference.plan.eval_every_steps == 2 and len(reference.curve) >= 2
+    state = tmp_path / "state"
+    lines: list[str] = []
+    with pytest.raises(Crash):
+        train_drafter(target_dir, rows, vocab, config, tmp_path / "ckpt", log=crash_at(5, lines), state_dir=state,
+                      validation_rows=validation)
+    assert committed_step(state) == 4
+    resumed = train_drafter(target_dir, rows, vocab, config, tmp_path / "ckpt", state_dir=state,
+                            validation_rows=validation)
+    assert resumed.resumed_from_step == 4
+    assert_same_run(resumed, reference)
+    strip = lambda p: (p.step, p.tokens, p.train_loss, p.val_loss, p.val_tau, p.val_acc)  # noqa: E731
+    assert [strip(p) for p in resumed.curve] == [strip(p) for p in reference.curve]
+    assert (resumed.best_step, resumed.stopped_early) == (reference.best_step, reference.stopped_early)
+    # Other validation rows are other inputs: the state is not continued.
+    lines = []
+    with pytest.raises(Crash):
+        train_drafter(target_dir, rows, vocab, config, tmp_path / "ckpt", log=crash_at(2, lines), state_dir=state,
+                      validation_rows=random_rows(3, seed=12))
+    assert any("not resumed" in line and "validation rows" in line for line in lines)

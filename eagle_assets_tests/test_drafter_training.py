@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from eagle_assets.drafter.acceptance import completion_segments, simulate_acceptance
@@ -218,3 +219,97 @@ def test_simulation_skips_malformed_rows_with_a_note(trained, target, rows):
     assert empty.tau == 0.0 and empty.n_verifications == 0 and "no verification point" in empty.notes[-1]
     with pytest.raises(ValueError, match="not the vocab"):
         simulate_acceptance(target, drafter, build_draft_vocab({}, VOCAB, 200), rows[:1], k=2)
+
+
+# -- the recipe: a run sized by the data; validation curve; early stopping; honest spread --------------------------
+
+
+def test_run_length_is_the_smaller_of_the_token_budget_and_the_epoch_cap():
+    from eagle_assets.drafter.recipe import plan_steps
+
+    per_batch = [400, 400, 200]  # 1000 tokens per epoch in 3 batches (333.3 per batch)
+    by_tokens = plan_steps(per_batch, TrainConfig(epochs=None, train_tokens=5000))
+    assert by_tokens.total_steps == 15 and by_tokens.limited_by == "train_tokens" and by_tokens.epochs == 5
+    capped = plan_steps(per_batch, TrainConfig(epochs=2.5, train_tokens=5000))
+    assert capped.total_steps == 8 and capped.limited_by == "epochs"  # ceil(2.5 * 3): the last epoch is partial
+    assert plan_steps(per_batch, TrainConfig(epochs=1.0, eval_every_tokens=700)).eval_every_steps == 2
+    assert plan_steps(per_batch, TrainConfig(epochs=40.0)).warmup_steps == 6  # 5% of 120
+    with pytest.raises(ValueError, match="set epochs or train_tokens"):
+        train_drafter("unused", [], None, TrainConfig(epochs=None, train_tokens=None), "unused")
+
+
+@pytest.fixture(scope="module")
+def validated(target, target_dir, rows, vocab, tmp_path_factory):
+    """A run scored on 4 validation rows every 3 steps, with early stopping and the best weights kept.
+
+    The validation rows are 4 of the training rows: a random target's continuations of other random prompts are not
+    learnable from 12 rows, and what is under test here is the curve and the stopping rule, not generalization."""
+    validation = rows[:4]
+    config = replace(FAST, epochs=None, train_tokens=60 * 416, eval_every_tokens=2 * 416, patience=3,
+                     min_delta=0.01, acceptance_k=4)
+    lines: list[str] = []
+    out = tmp_path_factory.mktemp("validated") / "ckpt"
+    result = train_drafter(target_dir, rows, vocab, config, out, log=lines.append, validation_rows=validation)
+    return result, lines, validation, config
+
+
+def test_learning_curve_tracks_validation_tau_and_early_stopping_keeps_the_best(validated, target):
+    result, lines, validation, config = validated
+    curve = result.curve
+    assert result.validation_rows == 4 and len(curve) >= 3
+    assert [p.step for p in curve] == sorted({p.step for p in curve}) and all(
+        p.step % result.plan.eval_every_steps == 0 for p in curve[:-1])
+    assert result.plan.eval_every_steps == 3  # 832 tokens / 312 per batch (two batches of 416 and 208 tokens)
+    assert [p.tokens for p in curve] == [sum(s.tokens for s in result.steps[: p.step]) for p in curve]
+    assert max(p.val_tau for p in curve) > curve[0].val_tau + 0.5
+    assert curve[-1].val_loss < curve[0].val_loss
+    assert sum(1 for line in lines if line.startswith("eval at ")) == len(curve)
+    best = max(curve, key=lambda p: p.val_tau)
+    if result.stopped_early:
+        assert len(result.steps) < result.plan.total_steps
+        since = [p for p in curve if p.step > best.step]
+        assert len(since) == config.patience and all(p.val_tau <= best.val_tau + config.min_delta for p in since)
+    # The exported drafter is the best point's: re-simulating it on the validation rows gives that point's tau.
+    drafter, vocab = load_drafter(result.checkpoint_dir, target)
+    again = simulate_acceptance(target, drafter, vocab, validation, k=4, max_positions=None)
+    kept = best if result.best_step >= 0 else curve[-1]
+    assert again.tau == pytest.approx(kept.val_tau, abs=1e-9)
+    assert result.eval_seconds > 0 and result.to_dict()["curve"][0]["val_tau"] == curve[0].val_tau
+
+
+def test_early_stopping_stops_when_tau_stops_improving(target_dir, rows, vocab, target, tmp_path):
+    # A gain of 5 tokens per verification between two steps never happens: the first point stays the best and the
+    # run stops after `patience` more points, keeping the first point's weights.
+    validation = make_rows(target, 2, 20, seed=9)
+    config = replace(FAST, epochs=None, train_tokens=40 * 416, eval_every_tokens=416, patience=2, min_delta=5.0,
+                     acceptance_k=2, ttt_steps=2)
+    result = train_drafter(target_dir, rows[:8], vocab, config, tmp_path / "ckpt", validation_rows=validation)
+    assert result.plan.total_steps == 40 and result.plan.eval_every_steps == 1  # one 8-row batch per epoch
+    assert result.stopped_early and len(result.steps) == len(result.curve) == config.patience + 1
+    assert result.best_step == result.curve[0].step == 1
+    final = load_file(str(result.checkpoint_dir / "model.safetensors"))
+    drafter, vocab_back = load_drafter(result.checkpoint_dir, target)
+    again = simulate_acceptance(target, drafter, vocab_back, validation, k=2, max_positions=None)
+    assert again.tau == pytest.approx(result.curve[0].val_tau, abs=1e-9) and final
+
+
+def test_tau_spread_over_rows(trained, target, rows):
+    from eagle_assets.drafter.acceptance import bootstrap_tau, mean_tau_over_groups
+
+    result, _ = trained
+    drafter, vocab = load_drafter(result.checkpoint_dir, target)
+    sim = simulate_acceptance(target, drafter, vocab, rows[:6], k=4, max_positions=None)
+    assert len(sim.row_verifications) == len(sim.row_tokens) == sim.n_rows == 6
+    assert sum(sim.row_verifications) == sim.n_verifications and sum(sim.row_tokens) == sim.n_tokens
+    lo, hi = sim.tau_ci95
+    assert lo <= sim.tau <= hi and sim.tau_row_sd >= 0
+    assert bootstrap_tau(sim.row_verifications, sim.row_tokens) == (sim.tau_ci95, sim.tau_row_sd)  # seeded
+    # Identical rows: no spread at all.
+    assert bootstrap_tau([10] * 5, [30] * 5) == ([3.0, 3.0], 0.0)
+    mean, ci = mean_tau_over_groups({"a": ([10, 10], [20, 20]), "b": ([5, 5], [25, 25]), "empty": ([], [])})
+    assert mean == 3.5 and ci == [3.5, 3.5]  # each group weighs the same, whatever its verifications
+    cached: dict = {}
+    first = simulate_acceptance(target, drafter, vocab, rows[:2], k=4, max_positions=None, features=cached)
+    assert set(cached) == {0, 1}
+    assert simulate_acceptance(target, drafter, vocab, rows[:2], k=4, max_positions=None,
+                               features=cached).to_dict() == first.to_dict()

@@ -238,9 +238,13 @@ def test_bfcl_layout_normalizes_python_types(tmp_path):
 def test_file_level_errors(tmp_path):
     with pytest.raises(FormatError, match="does not exist"):
         _load(tmp_path / "missing.jsonl")
-    unknown = _jsonl(tmp_path, "u.jsonl", [{"foo": 1}])
+    unknown = _jsonl(tmp_path, "u.jsonl", [{"foo": 1}, {"foo": 2}])
     with pytest.raises(FormatError, match="cannot detect the layout.*foo"):
-        _load(unknown)
+        detect_format(unknown)
+    # load_records never refuses a file for its records: each one is a counted reject saying what to do
+    recs = _load(unknown)
+    assert [(r.source_row, r.reason) for r in recs] == [(0, "undetected_layout"), (1, "undetected_layout")]
+    assert "foo" in recs[0].detail and "set 'format'" in recs[0].detail
     with pytest.raises(FormatError, match="unknown format 'parquet'"):
         _load(unknown, "parquet")
     truncated = tmp_path / "t.json"
@@ -309,4 +313,7 @@ def test_real_specforge_invalid_arguments_rejected():
 
 
 def test_every_layout_is_registered():
-    assert set(FORMATS) == {"sharegpt", "messages", "glaive", "alpaca", "opencodeinstruct", "mtbench", "gsm8k", "bfcl", "prompt_response"}
+    assert set(FORMATS) == {"sharegpt", "messages", "glaive", "alpaca", "opencodeinstruct", "mtbench", "gsm8k", "bfcl",
+                            "prompt_response", "problem", "toolbench", "ultrachat"}
+    for name, mod in FORMATS.items():
+        assert mod.NAME == name and mod.SIGNATURE_KEYS and callable(mod.matches) and callable(mod.parse)

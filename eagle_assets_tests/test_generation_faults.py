@@ -9,17 +9,20 @@ failures table are real Parquet files read back with pyarrow.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import time
+import zlib
 from collections import Counter
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from eagle_assets.generation import FAILURES_FILE, LOCK_FILE, PartitionBusyError, run_generation
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.protocol import SamplingParams
-from eagle_assets.serving.stub_server import StubServer, serve_stub_in_thread, stub_output_ids
+from eagle_assets.serving.stub_server import SGLANG_ECHO_IDS, StubServer, serve_stub_in_thread, stub_output_ids
 from eagle_assets.storage import read_shards, shard_paths
 
 VOCAB = 500
@@ -238,3 +241,85 @@ def test_redaction_covers_the_key_and_url_credentials(monkeypatch):
     text = client.redact(f"proxy said: Authorization: Bearer {SECRET} at http://user:pw@10.0.0.1:8000/generate")
     assert SECRET not in text and "user:pw" not in text
     assert text == "proxy said: Authorization: Bearer *** at http://***@10.0.0.1:8000/generate"
+
+
+# ------------------------------------------------------------------ a prompt echo counted in completion_tokens
+IM_START, ASSISTANT, NL = 3, 77, 10  # a generation prompt: a control id, then ordinary ids
+CONTROL = frozenset({STOP, IM_START})
+
+
+def _chat_prompt(i: int) -> list[int]:
+    return _prompt(i) + [IM_START, ASSISTANT, NL]
+
+
+def _echo_half(rid: str, attempt: int, body: dict) -> str | None:
+    kind, _, n = rid.partition(":")
+    if kind == "s":
+        return "echo_counted" if zlib.crc32(rid.encode()) % 2 else None
+    if kind == "once":
+        return "echo_counted" if attempt == 1 else None
+    if kind == "tail":
+        return "tail_like"
+    return None
+
+
+def test_counted_prompt_echo_is_retried_then_a_failure_and_never_a_row(tmp_path):
+    # 300 replies, half of them echoing the prompt's last 5 ids WITH completion_tokens counting them (the counts
+    # agree), as some SGLang versions answer; plus transient echoes and replies that legitimately begin with the
+    # prompt's last (ordinary) ids.
+    prompts = {f"s:{i}": _chat_prompt(i) for i in range(300)}
+    prompts.update({f"once:{i}": _chat_prompt(400 + i) for i in range(10)})
+    prompts.update({f"tail:{i}": _chat_prompt(500 + i) for i in range(10)})
+    echoing = {s for s in prompts if s.startswith("s:") and zlib.crc32(s.encode()) % 2}
+    assert 120 < len(echoing) < 180
+    sp = SamplingParams(max_new_tokens=64, temperature=0.0, stop_token_ids=[STOP])
+    out = tmp_path / "gen"
+    with serve_stub_in_thread(StubServer(vocab_size=VOCAB, fault=_echo_half)) as running:
+        stats = run_generation(list(prompts.items()), out, _client(running.url, max_attempts=3), sp, VOCAB,
+                               control_ids=CONTROL)
+        sent = Counter(running.stub.stats.per_rid)
+    rows = _rows(out)
+    failures = {f["sample_id"]: f for f in pq.read_table(out / FAILURES_FILE).to_pylist()}
+    assert set(failures) == echoing and set(rows) == set(prompts) - echoing
+    assert all(f["kind"] == "prompt_echo" and f["attempts"] == 3 == sent[s] for s, f in failures.items())
+    assert "last 5 prompt ids" in next(iter(failures.values()))["last_error"]
+    assert all(rows[f"once:{i}"]["attempts"] == 2 for i in range(10))  # retried, then the good reply
+    for i in range(10):  # kept: the first ids equal the prompt's last ids, but they are ordinary ids
+        row = rows[f"tail:{i}"]
+        assert row["output_ids"][:2] == [ASSISTANT, NL] and row["attempts"] == 1
+    assert stats.failure_kinds == Counter({"prompt_echo": len(echoing)})
+
+
+def test_qc_drops_counted_echoes_that_another_producer_stored(tmp_path):
+    # The report: against a server echoing half of 300 replies with matching counts, an older client stored them as
+    # good rows. Such shards (written here as that producer wrote them: the stub's replies, echo included, counts
+    # agreeing) are what QC gets; segment_row, QC's call, must name every echo and keep every other row.
+    from eagle_assets.generation import GENERATION_SCHEMA
+    from eagle_assets.quality.segment import segment_row
+    from eagle_assets.target_model.profile import FamilyProfile
+
+    prompts = {f"s:{i}": _chat_prompt(i) for i in range(300)}
+    prompts.update({f"tail:{i}": _chat_prompt(500 + i) for i in range(10)})
+    echoing = {s for s in prompts if s.startswith("s:") and zlib.crc32(s.encode()) % 2}
+    sp = SamplingParams(max_new_tokens=64, temperature=0.0, stop_token_ids=[STOP])
+    rows = []
+    for sid, prompt in prompts.items():
+        ids, finish = stub_output_ids(prompt, sp.max_new_tokens, VOCAB, sp.stop_token_ids)
+        if sid in echoing:
+            ids = prompt[-SGLANG_ECHO_IDS:] + ids
+        elif sid.startswith("tail:"):
+            ids = prompt[-2:] + ids[2:]
+        rows.append({"sample_id": sid, "output_ids": ids, "finish_reason": finish["type"],
+                     "matched_stop": finish.get("matched"), "completion_tokens": len(ids),
+                     "prompt_tokens": len(prompt), "latency_s": 0.0, "attempts": 1,
+                     "sampling_params": json.dumps(sp.to_json())})
+    out = tmp_path / "gen"
+    out.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows, schema=GENERATION_SCHEMA), out / "shard-00000.parquet")
+    profile = FamilyProfile("custom", None, None, (), (), STOP, (STOP,))
+    stored = _rows(out)
+    reasons = {s: segment_row(r, profile, prompt_opens_think=False, prompt_ids=prompts[s], vocab_size=VOCAB,
+                              control_ids=CONTROL).drop_reason for s, r in stored.items()}
+    assert {s for s, why in reasons.items() if why == "prompt_echo"} == echoing
+    assert all(reasons[s] in (None, "truncated_in_answer") for s in stored if s not in echoing)
+    assert [reasons[f"tail:{i}"] for i in range(10)].count(None) >= 5  # begins like the prompt's end, kept

@@ -1,10 +1,11 @@
 """The deployment as users run it: ``dagster-daemon`` and ``dagster-webserver`` as real processes on the repo's
 ``dagster.yaml`` (sqlite under a fresh DAGSTER_HOME) and ``workspace.yaml``, the embedded demo target served over
-HTTP with an API key, a ``dagster job backfill`` of every partition from the CLI, sensors ticking on the daemon, and
-the UI driven in headless Chromium.
+HTTP with an API key, a ``dagster job backfill`` of every partition from the CLI, the inputs and automation sensors
+ticking on the daemon, and the UI driven in headless Chromium.
 
 One module-scoped deployment serves every test here, in file order: the backfill materializes both partitions, the
-UI test reads their check results, the sensor tests change source files and watch the daemon react.
+UI test reads their check results, then the target's chat template is edited: the inputs sensor observes it, the
+UI shows what is unsynced, and the automation sensor materializes exactly that, down to a new drafter checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import pytest
 import yaml
 from dagster._core.instance.ref import InstanceRef
 from dagster._core.scheduler.instigation import InstigatorType, TickStatus
+
+from eagle_assets.assets.schedules import IN_FLIGHT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -87,6 +90,7 @@ class Deployment:
     daemon: Proc
     web: Proc
     port: int
+    target: Path
 
     def dagster(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
         proc = subprocess.run([str(BIN / "dagster"), *args], env=self.env, cwd=self.root, capture_output=True,
@@ -152,7 +156,9 @@ def deployment(demo_target, tmp_path_factory):
     home.mkdir()
     shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
     workspace = Path(shutil.copy(REPO_ROOT / "workspace.yaml", root / "workspace.yaml"))
-    catalog = _catalog(root, demo_target)
+    target = root / "target"  # a copy: the automation tests edit its chat template
+    shutil.copytree(demo_target, target)
+    catalog = _catalog(root, target)
     env = {
         **os.environ,
         "DAGSTER_HOME": str(home),
@@ -171,7 +177,8 @@ def deployment(demo_target, tmp_path_factory):
     # No -h: the webserver's default bind address is what this deployment is tested with.
     web = _start([str(BIN / "dagster-webserver"), "-w", str(workspace), "-p", str(port)], env, root,
                  root / "webserver.log")
-    dep = Deployment(root, home, root / "store" / "live", workspace, env, root / "data", instance, daemon, web, port)
+    dep = Deployment(root, home, root / "store" / "live", workspace, env, root / "data", instance, daemon, web, port,
+                     target)
     try:
         yield dep
     finally:
@@ -375,13 +382,6 @@ def _graphql(dep: Deployment, query: str, variables: dict) -> dict:
     return body["data"]
 
 
-def _delete_cursor(dep: Deployment, name: str) -> None:
-    selector = {"repositoryLocationName": "eagle_assets", "repositoryName": "__repository__", "sensorName": name}
-    data = _graphql(dep, "mutation($s: SensorSelector!) { setSensorCursor(sensorSelector: $s, cursor: null) "
-                         "{ __typename } }", {"s": selector})
-    assert data["setSensorCursor"]["__typename"] == "Sensor", data
-
-
 def _stop_sensor(dep: Deployment, name: str) -> None:
     state = _sensor_state(dep.instance, name)
     data = _graphql(dep, "mutation($o: String, $s: String) { stopSensor(jobOriginId: $o, jobSelectorId: $s) "
@@ -389,66 +389,137 @@ def _stop_sensor(dep: Deployment, name: str) -> None:
     assert data["stopSensor"]["__typename"] == "StopSensorMutationResult", data
 
 
-SENSORS_STARTED: dict[str, float] = {}
-
-
-def test_source_sensor_on_the_daemon_launches_edits_once(deployment, backfilled):
-    dep, inst = deployment, deployment.instance
-    partition_runs = lambda: {r.run_id for r in inst.get_runs(dg.RunsFilter(job_name="partition_job"))}  # noqa: E731
-    before = partition_runs()
+def _start_sensor(dep: Deployment, name: str) -> float:
     t0 = time.time()
-    # Both sensors at once, as a user turning on automation would; the training sensor's run overlaps this test
-    # and is checked by the next one.
-    dep.dagster("sensor", "start", "--start-all", "-w", str(dep.workspace))
-    SENSORS_STARTED["at"] = t0
-    first = _next_tick(inst, "source_files_sensor", t0)
-    # Both partitions were materialized after their files were written: recorded, not relaunched.
-    assert first.status == TickStatus.SKIPPED and "already materialized" in (first.skip_reason or ""), first
-    assert partition_runs() == before
-
-    src = dep.data / "B2_code.jsonl"
-    lines = src.read_text().splitlines()
-    rec = json.loads(lines[0])
-    rec["input"] += " Explain the time complexity as well."
-    src.write_text("\n".join([json.dumps(rec), *lines]) + "\n")
-    tick = _next_tick(inst, "source_files_sensor", time.time())
-    assert tick.status == TickStatus.SUCCESS and len(tick.run_ids) == 1, tick
-    run = dep.wait_runs(list(tick.run_ids))[0]
-    assert run.status == dg.DagsterRunStatus.SUCCESS, dep.failure_report(run)
-    assert run.tags["dagster/partition"] == "B2_code" and run.tags["dagster/sensor_name"] == "source_files_sensor"
-    digest = run.tags["eagle_assets/source_sha256"]
-    assert run.tags["dagster/run_key"] == f"live:B2_code:{digest[:24]}"
-    assert run.tags["eagle_assets/sources"] == str(src)
-
-    # A replay of the same content (cursor deleted, file touched after the run) asks for the same run key, and the
-    # daemon does not launch it twice.
-    _delete_cursor(dep, "source_files_sensor")
-    os.utime(src, None)
-    replay = _next_tick(inst, "source_files_sensor", time.time())
-    _stop_sensor(dep, "source_files_sensor")
-    assert replay.status == TickStatus.SKIPPED and not replay.run_ids, replay
-    assert partition_runs() == before | {run.run_id}
-    # The daemon stores the tick before its log line about the skipped run key reaches the file: wait for the line.
-    expected = f"already completed with run keys: [\"{run.tags['dagster/run_key']}\"]"
-    deadline = time.monotonic() + 30
-    while expected not in dep.daemon.log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert expected in dep.daemon.log.read_text()
+    dep.dagster("sensor", "start", name, "-w", str(dep.workspace))
+    return t0
 
 
-def test_training_sensor_on_the_daemon_trains_once_on_fresh_qc(deployment, backfilled):
+def _wait(what: str, predicate, dep: Deployment, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} not within {timeout} s\n{dep.logs_tail()}"
+        time.sleep(1.0)
+
+
+def _materializations(inst: dg.DagsterInstance, asset: str, partition: str | None = None) -> list:
+    return inst.fetch_materializations(dg.AssetRecordsFilter(
+        asset_key=dg.AssetKey(asset), asset_partitions=[partition] if partition else None), limit=1000).records
+
+
+def _edit_chat_template(target: Path) -> None:
+    """Put a fixed line in front of every rendered prompt: a real change of every prompt's ids."""
+    jinja = target / "chat_template.jinja"
+    if jinja.is_file():
+        jinja.write_text("{{- 'Answer briefly.\\n' -}}" + jinja.read_text())
+        return
+    cfg_file = target / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["chat_template"] = "{{- 'Answer briefly.\\n' -}}" + cfg["chat_template"]
+    cfg_file.write_text(json.dumps(cfg, indent=2))
+
+
+AUTOMATION: dict[str, object] = {}
+
+
+def test_chat_template_edit_is_observed_and_shown_unsynced_in_chromium(deployment, backfilled):
+    """The inputs sensor on the daemon observes an edited chat template; the UI marks the assets that read it."""
+    from eagle_assets.assets.automation import unsynced
+    from eagle_assets.definitions import build_definitions
+
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (it drives Debian's chromium)")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install chromium")
     dep, inst = deployment, deployment.instance
-    if "at" not in SENSORS_STARTED:
-        pytest.skip("the sensors are turned on by the source sensor test above")
-    runs = inst.get_runs(dg.RunsFilter(job_name="training_job"))
-    assert len(runs) == 1, [r.tags for r in runs]
-    run = dep.wait_runs([runs[0].run_id], timeout=400)[0]
-    assert run.status == dg.DagsterRunStatus.SUCCESS, dep.failure_report(run)
-    assert run.tags["dagster/sensor_name"] == "training_sensor" and run.tags["eagle_assets/trigger"] == "fresh_qc"
-    assert (dep.store / "drafter_checkpoint" / "checkpoint" / "model.safetensors").is_file()
-    # The checkpoint is now newer than B1_glaive's QC (B2_code may have been regenerated meanwhile): no new run.
-    after = _next_tick(inst, "training_sensor", inst.get_run_record_by_id(run.run_id).end_time)
-    _stop_sensor(dep, "training_sensor")
-    assert after.status == TickStatus.SKIPPED, after
-    assert "B1_glaive: QC shards not newer than the last checkpoint" in after.skip_reason
-    assert len(inst.get_runs(dg.RunsFilter(job_name="training_job"))) == 1
+    graph = build_definitions(dep.env["EAGLE_ASSETS_CATALOG"], dep.env["EAGLE_ASSETS_HOME"]).resolve_asset_graph()
+    # Both sensors tick once on the unchanged deployment: nothing to do. Automation's first evaluation is its
+    # baseline; it is then stopped so that the unsynced state stays on screen until it is turned on again.
+    t0 = _start_sensor(dep, "automation_sensor")
+    baseline = _next_tick(inst, "automation_sensor", t0)
+    assert not baseline.run_ids, baseline
+    _stop_sensor(dep, "automation_sensor")
+    t1 = _start_sensor(dep, "inputs_sensor")
+    _next_tick(inst, "inputs_sensor", t1)  # the first observation of training_settings (no run reads it yet)
+    assert unsynced(inst, graph) == {}
+
+    _edit_chat_template(dep.target)
+    stale = _wait("chat template observed", lambda: unsynced(inst, graph), dep, timeout=120)
+    assert set(stale) == {(a, k) for a in ("tokenized_prompts", "qc_shards") for k in ("B1_glaive", "B2_code")}
+    assert all(causes == ["has a new dependency data version: target_tokenizer"] for causes in stale.values())
+    AUTOMATION["edited_at"] = time.time()
+
+    shots = dep.root / "screenshots"
+    shots.mkdir(exist_ok=True)
+    base = f"http://127.0.0.1:{dep.port}"
+    _wait_http(base + "/server_info")
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
+        try:
+            ctx = browser.new_context(viewport={"width": 1400, "height": 1100})
+            ctx.add_init_script("window.localStorage.setItem('communityNux', JSON.stringify('1'))")
+            page = ctx.new_page()
+            page.set_default_timeout(60_000)
+            sync_api.expect.set_options(timeout=60_000)
+            # Dagster shows staleness of a partitioned asset per partition: the partition's detail panel.
+            page.goto(base + "/assets/tokenized_prompts?view=partitions&partition=B1_glaive")
+            sync_api.expect(page.locator("body")).to_contain_text("B1_glaive")
+            tag = page.get_by_text(re.compile(r"Unsynced \(1\)")).first
+            sync_api.expect(tag).to_be_visible()
+            tag.hover()  # the tag's popover names the cause
+            sync_api.expect(page.get_by_text("1 upstream data version change")).to_be_visible()
+            sync_api.expect(page.locator("body")).to_contain_text(
+                re.compile(r"1 upstream data version change\s+target_tokenizer\s+has a new data version"))
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(shots / "ui_unsynced.png"))
+        finally:
+            browser.close()
+    if os.environ.get(SCREENSHOT_DIR_ENV):
+        shutil.copytree(shots, os.environ[SCREENSHOT_DIR_ENV], dirs_exist_ok=True)
+
+
+def test_automation_on_the_daemon_materializes_exactly_what_changed(deployment, backfilled):
+    """With the automation sensor on again, the daemon re-runs tokenization, generation and QC of both partitions,
+    then the report and training, and nothing else; provenance.json in the new checkpoint names its run."""
+    from eagle_assets.assets.automation import unsynced
+    from eagle_assets.definitions import build_definitions
+    from eagle_assets.provenance import PROVENANCE_FILE
+
+    if "edited_at" not in AUTOMATION:
+        pytest.skip("the chat template is edited by the UI test above")
+    dep, inst = deployment, deployment.instance
+    graph = build_definitions(dep.env["EAGLE_ASSETS_CATALOG"], dep.env["EAGLE_ASSETS_HOME"]).resolve_asset_graph()
+    counts = {a: len(_materializations(inst, a)) for a in ASSETS}
+    t0 = _start_sensor(dep, "automation_sensor")
+
+    def settled():
+        busy = inst.get_runs(dg.RunsFilter(statuses=list(IN_FLIGHT)))
+        return not busy and len(_materializations(inst, "drafter_checkpoint")) > counts["drafter_checkpoint"] \
+            and not unsynced(inst, graph)
+
+    _wait("automation to materialize the edit and train", settled, dep, timeout=500)
+    _stop_sensor(dep, "automation_sensor")
+    _stop_sensor(dep, "inputs_sensor")
+    runs = [r for r in inst.get_runs() if inst.get_run_record_by_id(r.run_id).create_timestamp.timestamp() >= t0]
+    assert runs and all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs), [dep.failure_report(r) for r in runs]
+    assert all(r.tags.get("dagster/from_automation_condition") == "true" or "dagster/backfill" in r.tags
+               for r in runs), [r.tags for r in runs]
+    new = {a: len(_materializations(inst, a)) - counts[a] for a in ASSETS}
+    # Exactly what read the chat template, and what reads that: per partition once, the rest once.
+    assert new == {"raw_prompts": 0, "tokenized_prompts": 2, "generations": 2, "qc_shards": 2,
+                   "length_report": 1, "draft_vocab": 1, "training_mix": 1, "drafter_checkpoint": 1}, new
+
+    ckpt = dep.store / "drafter_checkpoint" / "checkpoint"
+    provenance = json.loads((ckpt / PROVENANCE_FILE).read_text())
+    train_run = _materializations(inst, "drafter_checkpoint")[0].run_id
+    assert provenance["run"]["run_id"] == train_run
+    inputs = {(e["asset"], e["partition"]): e for e in provenance["inputs"]}
+    for key in ("B1_glaive", "B2_code"):
+        qc = _materializations(inst, "qc_shards", key)[0]
+        assert inputs[("qc_shards", key)]["run_id"] == qc.run_id
+    tokenizer_obs = inst.get_latest_data_version_record(dg.AssetKey("target_tokenizer"), is_source=True)
+    assert inputs[("target_tokenizer", None)]["data_version"] == \
+        tokenizer_obs.asset_observation.tags["dagster/data_version"]
+    assert PLANTED_KEY not in json.dumps(provenance)

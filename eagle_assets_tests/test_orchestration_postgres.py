@@ -113,7 +113,7 @@ def test_documented_postgres_config_stores_runs_events_and_pools(postgres, tmp_p
             "sampling": {"max_new_tokens": 64}, "limit": 5}},
     }))
     defs = build_definitions(catalog, storage_root=tmp_path / "store")
-    raw = [a for a in defs.assets if a.key == dg.AssetKey("raw_prompts")]
+    raw = [a for a in defs.assets if a.keys == {dg.AssetKey("raw_prompts")}]
 
     instance = dg.DagsterInstance.from_ref(dg._core.instance.ref.InstanceRef.from_dir(str(home)))
     try:

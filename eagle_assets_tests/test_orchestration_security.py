@@ -124,7 +124,7 @@ def test_unknown_partition_key_is_refused_before_anything_runs(tmp_path):
 def test_sources_are_resolved_and_reported_in_metadata(tmp_path):
     catalog = _catalog(tmp_path)
     defs = build_definitions(catalog, storage_root=tmp_path / "store")
-    raw = [a for a in defs.assets if a.key == dg.AssetKey("raw_prompts")]
+    raw = [a for a in defs.assets if a.keys == {dg.AssetKey("raw_prompts")}]
     with dg.instance_for_test() as instance:
         result = dg.materialize(raw, partition_key="B1", instance=instance, resources=defs.resources)
     sources = result.asset_materializations_for_node("raw_prompts")[0].metadata["sources"].value

@@ -71,7 +71,7 @@ def test_partition_end_to_end(pipeline):
 
     # A second materialization of a finished partition sends no request.
     again = dg.materialize(
-        [a for a in defs.assets if a.key.path == ["generations"]], partition_key="B1_glaive",
+        [a for a in defs.assets if a.keys == {dg.AssetKey("generations")}], partition_key="B1_glaive",
         instance=instance, resources=defs.resources,
     )
     meta = again.asset_materializations_for_node("generations")[0].metadata

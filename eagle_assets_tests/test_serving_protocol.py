@@ -164,3 +164,60 @@ def test_abort_is_retryable_unless_the_server_refused_the_request():
                                                   "err_type": "BadRequestError"}))
     assert refused.kind == "abort" and not refused.retryable
     assert _kind(reply(completion_tokens=9)).retryable  # validation failures may succeed on another attempt
+
+
+# A chat prompt: ordinary ids, then a generation prompt whose first id is a control id (like <|im_start|>).
+IM_START = 90
+CHAT_PROMPT = [11, 12, 13, IM_START, 14, 15]
+CONTROL = frozenset({2, IM_START})
+
+
+def _counted_echo(k: int, finish=None) -> dict:
+    out = CHAT_PROMPT[-k:] + [20, 21, 2]
+    return reply(output_ids=out, finish=finish, prompt_tokens=len(CHAT_PROMPT))  # completion_tokens counts the echo
+
+
+def test_prompt_echo_counted_in_completion_tokens_is_found_by_the_control_id():
+    for k in (3, 4, 5, 6):  # every echo that reaches the generation prompt's control id
+        err = _kind(_counted_echo(k), prompt=CHAT_PROMPT, control_ids=CONTROL)
+        assert err.kind == "prompt_echo" and f"last {k} prompt ids" in err.detail and "counted in" in err.detail
+        assert err.retryable
+    # a caller that does not know the target's tokens: 3 or more ids repeating the prompt's end are the evidence
+    assert _kind(_counted_echo(3), prompt=CHAT_PROMPT).kind == "prompt_echo"
+    assert parse_reply(_counted_echo(2), CHAT_PROMPT, 100).output_ids[:2] == CHAT_PROMPT[-2:]
+    # a caller that knows the target has no control id among them: no structural evidence at all
+    plain_prompt = [11, 12, 13, 91, 14, 15]
+    head = reply(output_ids=[91, 14, 15, 20, 21, 2], prompt_tokens=len(plain_prompt))
+    assert parse_reply(head, plain_prompt, 100, control_ids=CONTROL).output_ids[:3] == [91, 14, 15]
+
+
+def test_reply_beginning_with_ordinary_prompt_tail_ids_is_kept():
+    for k in (1, 2):  # [15] and [14, 15]: ordinary ids, no evidence of an echo
+        got = parse_reply(_counted_echo(k), CHAT_PROMPT, 100, max_new_tokens=8, control_ids=CONTROL)
+        assert got.output_ids[:k] == CHAT_PROMPT[-k:]
+
+
+def test_prompt_echo_found_by_the_cap():
+    # finish length: SGLang stopped at max_new_tokens=3 ids, the reply holds 3 + the echoed 2, all counted
+    body = reply(output_ids=CHAT_PROMPT[-2:] + [20, 21, 22], finish={"type": "length", "length": 3},
+                 prompt_tokens=len(CHAT_PROMPT))
+    err = _kind(body, prompt=CHAT_PROMPT, max_new_tokens=3)
+    assert err.kind == "prompt_echo" and "last 2 prompt ids" in err.detail
+    # the same overrun without the prompt's ids at the head is just too long
+    over = reply(output_ids=[20, 21, 22, 23, 24], finish={"type": "length", "length": 3}, prompt_tokens=6)
+    assert _kind(over, prompt=CHAT_PROMPT, max_new_tokens=3).kind == "too_long"
+
+
+def test_shared_rules_are_the_ones_parse_reply_applies():
+    from eagle_assets.serving.protocol import prompt_echo_length, reply_defect, stop_mismatch
+
+    assert prompt_echo_length([*CHAT_PROMPT[-4:], 1, 2], CHAT_PROMPT, completion_tokens=6, control_ids=CONTROL) == 4
+    assert prompt_echo_length([*CHAT_PROMPT[-2:], 1, 2], CHAT_PROMPT, completion_tokens=2) == 2  # uncounted
+    assert prompt_echo_length([15, 1, 2], CHAT_PROMPT, completion_tokens=3, control_ids=CONTROL) == 0
+    assert prompt_echo_length([15, 1, 2], None, completion_tokens=2) == 0
+    assert reply_defect([1, 200, 2], completion_tokens=3, vocab_size=100).kind == "id_out_of_vocab"
+    assert reply_defect([1, 2], completion_tokens=3).kind == "length_mismatch"
+    assert reply_defect([1, 2, 3], completion_tokens=3, max_new_tokens=2).kind == "too_long"
+    assert reply_defect([1, 2], completion_tokens=2, max_new_tokens=2) is None
+    assert stop_mismatch([1, 2], 7) and not stop_mismatch([1, 2], 2) and not stop_mismatch([1, 2], "</s>")
+    assert not stop_mismatch([1, 2], None) and stop_mismatch([], 2)

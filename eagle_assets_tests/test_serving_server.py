@@ -134,7 +134,8 @@ def test_missing_max_new_tokens_means_sglang_default_and_context_caps_it(server)
         ({"input_ids": []}, "non-empty"),
         ({"input_ids": [5, 126]}, "input_ids[1] = 126 is not a token id in [0, 126)"),
         ({"input_ids": [[5, 6], []]}, "input_ids[1] must be a non-empty list"),
-        ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens must be an int >= 1"),
+        # max_new_tokens 0 is SGLang's prefill-only request (eagle_assets_tests/test_served_features.py)
+        ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be an int >= 1"),
         ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3, "frequency_penalty": 0.5}}, "not supported"),
         ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3, "bogus": 1}}, "unknown sampling_params"),
         ({"input_ids": [5, 6], "stream": True}, "stream=true is not supported"),

@@ -39,6 +39,8 @@ def test_ids_and_profile(kimi):
     assert (p.name, p.think_start_id, p.think_end_id, p.end_of_turn_id) == ("kimi", 163606, 163607, 163586)
     assert p.tool_call_start_ids == (163595, 163597) and p.tool_call_end_ids == (163596, 163599)
     assert set(p.stop_ids) == {163586, 163585}
+    # SGLang's kimi_k2 reasoning detector: a tool-call section with no </think> ends the reasoning
+    assert p.tool_call_ends_reasoning and not p.implicit_think_start
     assert kimi.decode(kimi(TEXT, add_special_tokens=False)["input_ids"]) == TEXT
 
 
@@ -76,3 +78,21 @@ def test_golden_ids_kimi_k2_thinking(kimi):
 def test_load_tokenizer_dispatches_tiktoken_dirs(kimi):
     tok = load_tokenizer(KIMI)  # no tokenizer.json: built from tiktoken.model (cached, so fast the second time)
     assert len(tok) == 163840 and tok.chat_template is None
+
+
+def test_k25_generation_prompt_opens_the_block_and_k2_thinking_does_not(kimi):
+    prof = detect_profile(kimi)
+    msgs = [{"role": "user", "content": "Hi"}]
+    thinking = render_prompt(kimi, msgs, profile=prof)
+    assert not thinking.opens_think and thinking.flags["ids_after_think_start"] is None
+    saved = kimi.chat_template
+    try:
+        for tail, opens in (("<think>", True), ("<think></think>", False)):  # K2.5 thinking on / off
+            kimi.chat_template = saved.replace("<|im_assistant|>assistant<|im_middle|>\n{%- endif -%}",
+                                               f"<|im_assistant|>assistant<|im_middle|>{tail}\n{{%- endif -%}}")
+            assert kimi.chat_template != saved
+            r = render_prompt(kimi, msgs, profile=prof)
+            assert r.opens_think is opens and r.flags["generation_prompt"].endswith(tail)
+            assert r.flags["ids_after_think_start"] == ([] if opens else None)
+    finally:
+        kimi.chat_template = saved

@@ -254,3 +254,39 @@ def test_golden_ids_qwen3_tool_history(qwen):
     n = rendered.n_prompt_tokens
     assert rendered.prompt_ids == ref["input_ids"][:n]
     assert ref["input_ids"][n] == 151667  # the reference answer starts with <think> right after the prompt
+
+
+def test_reasoning_rule_overrides(qwen, deepseek):
+    assert detect_profile(qwen, {"tool_call_ends_reasoning": True}).tool_call_ends_reasoning
+    assert detect_profile(deepseek).implicit_think_start
+    assert not detect_profile(deepseek, {"implicit_think_start": False}).implicit_think_start
+    assert detect_profile(qwen).to_dict()["tool_call_ends_reasoning"] is False
+    with pytest.raises(ProfileError, match="must be true or false"):
+        detect_profile(qwen, {"tool_call_ends_reasoning": "yes"})
+    with pytest.raises(ProfileError, match="no tool_call_start ids"):
+        detect_profile(qwen, {"tool_call_ends_reasoning": True, "tool_call_start": None, "tool_call_end": None})
+
+
+def test_opens_think_block_is_one_rule_for_every_tail(qwen):
+    from eagle_assets.target_model.render import opens_think_block
+
+    prof = detect_profile(qwen)
+    think, end, nl = 151667, 151668, 198
+    assert opens_think_block([1, think], prof) and opens_think_block([1, think, nl], prof)
+    assert opens_think_block([1, think, nl, 32313, 11], prof)  # text after the think-start
+    assert not opens_think_block([1, think, nl, end, nl], prof) and not opens_think_block([1, nl], prof)
+    assert not opens_think_block([think, end, 5], prof) and opens_think_block([think, end, think], prof)
+    assert not opens_think_block([1, think], None)
+
+
+def test_target_vocab_size_prefers_config_then_tokenizer(qwen, deepseek, tmp_path):
+    from eagle_assets.target_model.profile import target_vocab_size
+
+    assert target_vocab_size(TOK / "qwen3-0.6b", qwen) == 151936  # config.json, padded above len(tokenizer)
+    assert target_vocab_size(TOK / "deepseek-v3", deepseek) == len(deepseek) == 128815  # no config.json
+    (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 200000}}')
+    assert target_vocab_size(tmp_path, qwen) == 200000
+    (tmp_path / "config.json").write_text('{"vocab_size": 1000}')  # smaller than the tokenizer: the tokenizer wins
+    assert target_vocab_size(tmp_path, qwen) == len(qwen)
+    (tmp_path / "config.json").write_text("{not json")
+    assert target_vocab_size(tmp_path, qwen) == len(qwen) and target_vocab_size(None, qwen) == len(qwen)

@@ -7,13 +7,14 @@ keeping every row generated.
 """
 
 
-import json
 from pathlib import Path
 
 import dagster as dg
 import pyarrow.parquet as pq
 
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
+from eagle_assets.assets.versions import (directory_content_version, generation_fingerprint,
+                                          generation_inputs_changed, record_generation_inputs)
 from eagle_assets.generation import FAILURES_FILE, LIVE_STATS_FILE, PartitionBusyError, run_generation
 from eagle_assets.storage import read_done_ids
 from eagle_assets.serving.resource import SGLangServerResource
@@ -23,14 +24,6 @@ class GenerationRunConfig(dg.Config):
     """Run config of ``generations``."""
 
     regenerate: bool = False  # drop this partition's existing shards and generate everything again
-
-
-def _target_vocab_size(model_dir: Path) -> int | None:
-    cfg = Path(model_dir) / "config.json"
-    if not cfg.exists():
-        return None
-    data = json.loads(cfg.read_text())
-    return data.get("vocab_size") or data.get("text_config", {}).get("vocab_size")
 
 
 def _live_metadata(snapshot: dict, path: Path) -> dict:
@@ -81,7 +74,8 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         from eagle_assets.quality.live import LiveQualityMonitor
         from eagle_assets.serving.client import GenerateClient
         from eagle_assets.serving.protocol import SamplingParams
-        from eagle_assets.target_model.profile import detect_profile
+        from eagle_assets.target_model.profile import detect_profile, target_vocab_size
+        from eagle_assets.target_model.render import control_token_ids
         from eagle_assets.target_model.tokenizer import load_tokenizer
 
         key = context.partition_key
@@ -89,6 +83,13 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         spec = catalog.partitions[key]
         layout = settings.layout()
         out = layout.stage_dir("generations", key)
+        # Shards of other sampling / render settings, tokenizer or weights are generated again, not resumed from.
+        fingerprint = generation_fingerprint(catalog, key, target.cache_root)
+        changed = generation_inputs_changed(out, fingerprint)
+        regenerate = config.regenerate or bool(changed)
+        if changed:
+            context.log.warning(f"{', '.join(changed)} changed since the shards of {key} were generated: "
+                                "generating every prompt again instead of resuming")
         if config.regenerate:
             context.log.info(f"regenerate=True: existing shards of {key} are removed and generated again")
         prompts_file = layout.stage_dir("tokenized_prompts", key) / "prompts.parquet"
@@ -103,6 +104,9 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         model_dir = target.resolve()
         tokenizer = load_tokenizer(model_dir)
         profile = detect_profile(tokenizer, catalog.target.profile or None)
+        # the same vocab size and control ids as qc_shards: the client refuses what QC would drop
+        vocab_size = target_vocab_size(model_dir, tokenizer)
+        control = control_token_ids(tokenizer)
         s = spec.sampling
         sampling = SamplingParams(
             max_new_tokens=s.max_new_tokens,
@@ -113,7 +117,7 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
             skip_special_tokens=False,
         )
         # A finished partition needs no server: do not launch one just to send nothing.
-        pending = config.regenerate or not {sid for sid, _ in prompts} <= read_done_ids(out)
+        pending = regenerate or not {sid for sid, _ in prompts} <= read_done_ids(out)
         urls = sglang.base_urls(str(model_dir)) if pending else []
         client = GenerateClient(
             urls,
@@ -127,18 +131,20 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         monitor = LiveQualityMonitor(
             profile, spec.thresholds, spec.live, blank_ids=blank_token_ids(tokenizer),
             tool_call_in_reasoning=spec.tool_call_in_reasoning, prompt_opens_think=opens_think, partition=key,
+            prompt_ids=dict(prompts), vocab_size=vocab_size, control_ids=control,
         ) if pending else None
         context.log.info(f"generating {len(prompts)} prompts of {key} against {shown_urls or 'no server (all done)'}")
         try:
             stats = run_generation(
-                prompts, out, client, sampling, _target_vocab_size(model_dir), progress=context.log.info,
-                regenerate=config.regenerate, monitor=monitor, alarm=context.log.warning,
+                prompts, out, client, sampling, vocab_size, progress=context.log.info,
+                regenerate=regenerate, monitor=monitor, alarm=context.log.warning, control_ids=control,
             )
         except PartitionBusyError as exc:
             raise dg.Failure(
                 description=f"{exc}. Another run is generating partition {key}; wait for it or cancel it.",
                 allow_retries=False,
             ) from exc
+        record_generation_inputs(out, fingerprint)
         summary = stats.summary()
         if stats.failed:
             context.log.warning(f"{stats.failed} requests failed after retries; see {out / FAILURES_FILE}")
@@ -146,6 +152,7 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
             raise _stopped_failure(key, stats, out, monitor)
         live = _live_metadata(monitor.snapshot(), out / LIVE_STATS_FILE) if monitor is not None else {}
         return dg.MaterializeResult(
+            data_version=dg.DataVersion(directory_content_version(out, pattern="shard-*.parquet")),
             metadata={
                 "dagster/row_count": stats.succeeded + stats.skipped_done,
                 **{k: (dg.MetadataValue.json(v) if isinstance(v, dict) else v) for k, v in summary.items()},

@@ -10,23 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
-from eagle_assets.formats import Rejected, build_prompt, load_records, sample_id
+from eagle_assets.formats.rows import RAW_SCHEMA, REJECT_SCHEMA, collect_prompt_rows
 from eagle_assets.storage import write_parquet_atomic
 
-RAW_SCHEMA = pa.schema(
-    [
-        ("sample_id", pa.string()),
-        ("messages", pa.string()),
-        ("tools", pa.string()),
-        ("reference_reply", pa.string()),
-        ("source_file", pa.string()),
-        ("source_row", pa.int64()),
-    ]
-)
-REJECT_SCHEMA = pa.schema(
-    [("source_file", pa.string()), ("source_row", pa.int64()), ("sample_id", pa.string()),
-     ("reason", pa.string()), ("detail", pa.string())]
-)
+# RAW_SCHEMA and REJECT_SCHEMA (raw_prompts' prompt and reject rows) live in eagle_assets.formats.rows.
 TOKENIZED_SCHEMA = pa.schema(
     [
         ("sample_id", pa.string()),
@@ -52,64 +39,56 @@ def _reason_table(counts: Counter) -> dg.MetadataValue:
 def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDefinition]:
     """``raw_prompts`` and ``tokenized_prompts`` over ``partitions_def`` (one partition per catalog dataset)."""
 
-    @dg.asset(partitions_def=partitions_def, group_name="prompts", kinds={"parquet"})
-    def raw_prompts(context: dg.AssetExecutionContext, settings: PipelineSettings) -> dg.MaterializeResult:
-        """Normalized conversations of one dataset partition; malformed records go to rejects.parquet with a reason."""
+    @dg.asset(
+        partitions_def=partitions_def,
+        group_name="prompts",
+        kinds={"parquet"},
+        check_specs=[dg.AssetCheckSpec(
+            "prompts_available", asset="raw_prompts", blocking=False,
+            description="the partition has prompts to generate from (an empty partition flows on with zero rows)")],
+    )
+    def raw_prompts(context: dg.AssetExecutionContext, settings: PipelineSettings):
+        """Normalized conversations of one dataset partition; every malformed record goes to rejects.parquet with a
+        reason (one bad record, whatever it holds, costs only itself); an empty source gives zero rows."""
         key = context.partition_key
         spec = settings.catalog().partitions[key]
         out = settings.layout().stage_dir("raw_prompts", key)
-        kept: dict[str, dict] = {}
-        rejects: list[dict] = []
-        sources = []
-        for path, fmt in spec.resolved_sources():
-            sources.append(str(path))
+        sources = spec.resolved_sources()
+        for path, fmt in sources:
             context.log.info(f"reading {path} as {fmt}")
-            for rec in load_records(path, fmt):
-                if isinstance(rec, Rejected):
-                    rejects.append({"source_file": str(path), "source_row": rec.source_row, "sample_id": None,
-                                    "reason": rec.reason, "detail": rec.detail[:1000]})
-                    continue
-                sid = sample_id(key, rec.source_record)
-                try:
-                    prompt_messages, reference = build_prompt(rec, spec.prompt_policy)
-                except Exception as exc:  # noqa: BLE001 - a bad record must not stop the partition
-                    reason = getattr(exc, "reason", "bad_conversation")
-                    rejects.append({"source_file": str(path), "source_row": rec.source_row, "sample_id": sid,
-                                    "reason": reason, "detail": str(exc)[:1000]})
-                    continue
-                if isinstance(prompt_messages, Rejected):
-                    rejects.append({"source_file": str(path), "source_row": rec.source_row, "sample_id": sid,
-                                    "reason": prompt_messages.reason, "detail": prompt_messages.detail[:1000]})
-                    continue
-                if sid in kept:
-                    rejects.append({"source_file": str(path), "source_row": rec.source_row, "sample_id": sid,
-                                    "reason": "duplicate", "detail": f"same record as row {kept[sid]['source_row']}"})
-                    continue
-                kept[sid] = {
-                    "sample_id": sid,
-                    "messages": json.dumps(prompt_messages, ensure_ascii=False),
-                    "tools": json.dumps(rec.tools, ensure_ascii=False) if rec.tools else None,
-                    "reference_reply": json.dumps(reference, ensure_ascii=False) if reference else None,
-                    "source_file": str(path),
-                    "source_row": rec.source_row,
-                }
+        kept, rejects = collect_prompt_rows(key, sources, spec.prompt_policy)
         rows = sorted(kept.values(), key=lambda r: _sample_order(spec.seed, r["sample_id"]))
         if spec.limit is not None:
             rows = rows[: spec.limit]
         rows.sort(key=lambda r: (r["source_file"], r["source_row"]))
         write_parquet_atomic(pa.Table.from_pylist(rows, schema=RAW_SCHEMA), out / "prompts.parquet")
         write_parquet_atomic(pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA), out / "rejects.parquet")
+        reasons = Counter(r["reason"] for r in rejects)
         if rejects:
-            context.log.warning(f"{len(rejects)} records rejected; see {out / 'rejects.parquet'}")
-        return dg.MaterializeResult(
+            context.log.warning(f"{len(rejects)} records rejected ({dict(reasons.most_common())}); see {out / 'rejects.parquet'}")
+        if rows:
+            availability = f"{len(rows)} prompts ({len(kept)} available, {len(rejects)} records rejected)"
+        elif rejects:
+            availability = (f"partition {key} is empty: all {len(rejects)} records of its sources were rejected "
+                            f"({dict(reasons.most_common(5))}); see {out / 'rejects.parquet'} for each reason")
+        else:
+            availability = f"partition {key} is empty: its sources hold no records ({[str(p) for p, _ in sources]})"
+        if not rows:
+            context.log.warning(availability + "; zero rows flow on to tokenized_prompts, generations and qc_shards")
+        yield dg.MaterializeResult(
             metadata={
                 "dagster/row_count": len(rows),
                 "available_records": len(kept),
                 "rejected": len(rejects),
-                "reject_reasons": _reason_table(Counter(r["reason"] for r in rejects)),
-                "sources": dg.MetadataValue.json(sources),
+                "empty": not rows,
+                "reject_reasons": _reason_table(reasons),
+                "sources": dg.MetadataValue.json([str(p) for p, _ in sources]),
                 "path": dg.MetadataValue.path(str(out)),
             }
+        )
+        yield dg.AssetCheckResult(
+            check_name="prompts_available", passed=bool(rows), severity=dg.AssetCheckSeverity.WARN,
+            description=availability, metadata={"prompts": len(rows), "rejected": len(rejects)},
         )
 
 
@@ -146,7 +125,9 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
                 "prompt_ids": ids,
                 "n_prompt_tokens": len(ids),
                 "template_hash": rendered.template_hash,
-                "prompt_opens_think": bool(profile.think_start_id is not None and ids and ids[-1] == profile.think_start_id),
+                # the renderer's rule (render.opens_think_block), never a second one: QC, live quality and the
+                # client read this column
+                "prompt_opens_think": rendered.opens_think,
                 "render_flags": json.dumps(rendered.flags, sort_keys=True, default=str),
             })
         out = layout.stage_dir("tokenized_prompts", key)

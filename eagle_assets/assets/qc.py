@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.quality.lengths import format_table, length_report as compute_length_report
 from eagle_assets.quality.plots import length_histogram_png, png_markdown
-from eagle_assets.quality.segment import DROP_REASONS, segment_output
+from eagle_assets.quality.segment import DROP_REASONS, FLAGS, segment_row
 from eagle_assets.quality.thresholds import Outcome, evaluate_response_length, evaluate_token_structure, reason_levels
-from eagle_assets.storage import read_shards, write_json_atomic, write_parquet_atomic
+from eagle_assets.storage import shard_paths, write_json_atomic, write_parquet_atomic
 
 QC_SCHEMA = pa.schema(
     [
@@ -43,6 +43,9 @@ ROWS_SCHEMA = pa.schema(
     ]
 )
 QC_STATUS_FILE = "qc_status.json"
+# Rows QC does not segment, counted beside DROP_REASONS: generated from a prompt that is no longer in the partition,
+# or a second row of a sample id that already has one (two producers wrote the same sample).
+QC_SKIP_REASONS: tuple[str, ...] = ("stale_prompt", "duplicate_row")
 
 
 def blank_token_ids(tokenizer) -> frozenset[int]:
@@ -96,7 +99,8 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
     )
     def qc_shards(context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel):
         """Training rows input_ids = prompt_ids + output_ids with loss_mask; broken rows dropped with a named reason."""
-        from eagle_assets.target_model.profile import detect_profile
+        from eagle_assets.target_model.profile import detect_profile, target_vocab_size
+        from eagle_assets.target_model.render import control_token_ids, opens_think_block
         from eagle_assets.target_model.tokenizer import load_tokenizer
 
         key = context.partition_key
@@ -104,36 +108,49 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
         spec = catalog.partitions[key]
         layout = settings.layout()
         thresholds = spec.thresholds.model_dump() if hasattr(spec.thresholds, "model_dump") else dict(spec.thresholds)
-        tokenizer = load_tokenizer(target.resolve())
+        model_dir = target.resolve()
+        tokenizer = load_tokenizer(model_dir)
         profile = detect_profile(tokenizer, catalog.target.profile or None)
         blank = blank_token_ids(tokenizer)
+        # QC holds every row to the client's rules itself: shards may come from any producer
+        vocab_size = target_vocab_size(model_dir, tokenizer)
+        control = control_token_ids(tokenizer)
         prompts = {
             r["sample_id"]: r
             for r in pq.read_table(layout.stage_dir("tokenized_prompts", key) / "prompts.parquet").to_pylist()
         }
-        gens = read_shards(layout.stage_dir("generations", key))
-        gen_rows = gens.to_pylist() if gens is not None else []
+        # shard by shard, not one concatenated table: shards of other producers may differ in columns and types
+        # (int64 ids, no matched_stop), and each row is held to the rules on its own
+        gen_rows = (g for path in shard_paths(layout.stage_dir("generations", key))
+                    for g in pq.read_table(path).to_pylist())
         max_new = spec.sampling.max_new_tokens
         kept_rows, all_rows = [], []
         reasons: Counter = Counter()
         flags_count: Counter = Counter()
+        seen: set[str] = set()
         for g in gen_rows:
-            prompt = prompts.get(g["sample_id"])
+            prompt = prompts.get(g.get("sample_id"))
             if prompt is None:  # generated from an older prompt set; not part of this partition any more
                 reasons["stale_prompt"] += 1
                 continue
-            seg = segment_output(
-                g["output_ids"], g["finish_reason"], profile,
-                matched_stop=g["matched_stop"], completion_tokens=g["completion_tokens"],
-                prompt_opens_think=prompt["prompt_opens_think"],
-                tool_call_in_reasoning=spec.tool_call_in_reasoning, blank_ids=blank,
+            if g["sample_id"] in seen:  # one training row per sample, whoever wrote the shards
+                reasons["duplicate_row"] += 1
+                continue
+            seen.add(g["sample_id"])
+            opens = prompt.get("prompt_opens_think")
+            if opens is None:  # tokenized by a version without the column: the renderer's rule on the prompt
+                opens = opens_think_block(prompt["prompt_ids"], profile)
+            seg = segment_row(
+                g, profile, prompt_opens_think=bool(opens), prompt_ids=prompt["prompt_ids"],
+                tool_call_in_reasoning=spec.tool_call_in_reasoning, blank_ids=blank, vocab_size=vocab_size,
+                control_ids=control,
             )
-            n_out = len(g["output_ids"])
+            n_out = len(g.get("output_ids") or ())
             short = seg.kept and n_out < thresholds.get("short_tokens", 300)
             all_rows.append({
                 "partition": key, "sample_id": g["sample_id"], "completion_tokens": n_out,
                 "reasoning_tokens": seg.reasoning_tokens, "answer_tokens": seg.answer_tokens,
-                "tool_call_tokens": seg.tool_call_tokens, "finish_reason": g["finish_reason"],
+                "tool_call_tokens": seg.tool_call_tokens, "finish_reason": g.get("finish_reason"),
                 "max_new_tokens": max_new, "kept": seg.kept, "short": short, "drop_reason": seg.drop_reason,
             })
             flags_count.update(seg.flags)
@@ -166,9 +183,11 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
             f"{key}: response lengths", short_tokens=thresholds.get("short_tokens"), cap=max_new,
         )
         (out / "lengths.png").write_bytes(png)
+        # every rule is listed, zeros included: the table shows what was checked, not only what broke
         drop_md = "| reason | rows |\n|---|---|\n" + "\n".join(
-            f"| {r} | {reasons.get(r, 0)} |" for r in (*DROP_REASONS, "stale_prompt") if reasons.get(r, 0)
-        )
+            f"| {r} | {reasons.get(r, 0)} |" for r in (*DROP_REASONS, *QC_SKIP_REASONS))
+        all_reasons = {r: reasons.get(r, 0) for r in (*DROP_REASONS, *QC_SKIP_REASONS)}
+        all_flags = {f: flags_count.get(f, 0) for f in FLAGS}
         yield dg.MaterializeResult(
             metadata={
                 "dagster/row_count": len(kept_rows),
@@ -176,8 +195,11 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
                 "kept": len(kept_rows),
                 "dropped": sum(reasons.values()),
                 "short_but_well_formed": sum(1 for r in all_rows if r["short"]),
-                "drop_reasons": dg.MetadataValue.md(drop_md if reasons else "no rows dropped"),
-                "flags": dg.MetadataValue.json(dict(flags_count)),
+                "drop_reasons": dg.MetadataValue.md(drop_md),
+                "drop_reason_counts": dg.MetadataValue.json(all_reasons),
+                "flags": dg.MetadataValue.json(all_flags),
+                "vocab_size": vocab_size,
+                "family_profile": dg.MetadataValue.json(profile.to_dict()),
                 "median_completion_tokens": length.figures.get("median_tokens", 0.0),
                 "share_truncated": length.figures.get("share_truncated", 0.0),
                 "length_histogram": dg.MetadataValue.md(png_markdown(png, f"{key} lengths")),
@@ -188,7 +210,7 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
             check_name="token_structure", passed=structure.passed, severity=_severity(structure),
             description=structure.description(),
             metadata=_check_metadata(structure, thresholds, {
-                "drop_reasons": dg.MetadataValue.json(dict(reasons))}),
+                "drop_reasons": dg.MetadataValue.json(all_reasons)}),
         )
         yield dg.AssetCheckResult(
             check_name="response_length", passed=length.passed, severity=_severity(length),

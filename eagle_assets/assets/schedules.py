@@ -1,5 +1,10 @@
 """The optional nightly re-training schedule (STOPPED by default; turn it on in the UI or with
-``dagster schedule start nightly_training_schedule``)."""
+``dagster schedule start nightly_training_schedule``).
+
+It stays beside the declarative automation (``assets.automation``) for deployments that keep the automation sensor
+off and train in a fixed window (shared GPUs that are free at night), from whatever QC passed by then: the time of
+day, not a data change, decides. With the automation sensor on it is not needed.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,19 @@ import dagster as dg
 
 from eagle_assets.assets.qc import passing_partitions
 from eagle_assets.assets.resources import PipelineSettings
-from eagle_assets.assets.sensors import TRIGGER_TAG, training_run_in_flight
 from eagle_assets.catalog import CatalogError
 
 NIGHTLY_SCHEDULE = "nightly_training_schedule"
 NIGHTLY_CRON = "0 3 * * *"
+TRIGGER_TAG = "eagle_assets/trigger"
+IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+             dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+
+
+def training_run_in_flight(instance: dg.DagsterInstance) -> dg.DagsterRun | None:
+    """A ``training_job`` run that is queued or running, if any (one training at a time writes the checkpoint)."""
+    runs = instance.get_runs(dg.RunsFilter(job_name="training_job", statuses=IN_FLIGHT), limit=1)
+    return runs[0] if runs else None
 
 
 @dg.schedule(

@@ -3,6 +3,7 @@
 
 import hashlib
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -12,32 +13,74 @@ import pyarrow.parquet as pq
 
 from eagle_assets.assets.qc import passing_partitions
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
+from eagle_assets.provenance import write_provenance
 from eagle_assets.storage import write_json_atomic
 
 
-def is_holdout(sample_id: str, fraction: float, seed: int) -> bool:
-    """Deterministic held-out split by a keyed hash of the sample id (stable when rows are added)."""
+def _holdout_rank(sample_id: str, seed: int) -> float:
+    """Keyed hash of a sample id in [0, 1): the held-out split's order (stable when rows are added)."""
     h = int.from_bytes(hashlib.sha256(f"holdout:{seed}:{sample_id}".encode()).digest()[:8], "big")
-    return h / 2**64 < fraction
+    return h / 2**64
 
 
-def load_training_rows(settings: PipelineSettings, keys: list[str], holdout: bool):
-    """Rows (sample_id, input_ids int32 [T], loss_mask int8 [T], partition) of ``keys``' QC shards on one split."""
+def is_holdout(sample_id: str, fraction: float, seed: int) -> bool:
+    """Deterministic held-out split by a keyed hash of the sample id (stable when rows are added): the rule of
+    ``training.holdout_fraction`` when ``training.holdout_rows`` is null."""
+    return _holdout_rank(sample_id, seed) < fraction
+
+
+#: the three splits of a partition's QC rows: trained on, steering training (learning curve, early stopping),
+#: and the acceptance check's held-out test rows.
+SPLITS = ("train", "validation", "test")
+
+
+def row_splits(sample_ids: list[str], training) -> dict[str, str]:
+    """``sample_id -> "train" | "validation" | "test"`` for one partition's QC rows.
+
+    Held out (never trained on): the ``training.holdout_rows`` ids of lowest keyed hash (:func:`_holdout_rank`), or,
+    when that is null, every id :func:`is_holdout` under ``holdout_fraction``. Of those, the ``validation_rows`` of
+    highest hash are validation rows; the rest are test rows. So the training rows of a fraction split are exactly
+    the ids :func:`is_holdout` leaves out, and a validation set never overlaps the test set.
+    """
+    ranked = sorted(sample_ids, key=lambda s: (_holdout_rank(s, training.seed), s))
+    if training.holdout_rows is not None:
+        held = ranked[: training.holdout_rows]
+    else:
+        held = [s for s in ranked if is_holdout(s, training.holdout_fraction, training.seed)]
+    n_val = min(training.validation_rows, len(held))
+    out = {s: "train" for s in sample_ids}
+    out.update({s: "test" for s in held[: len(held) - n_val]})
+    out.update({s: "validation" for s in held[len(held) - n_val:]})
+    return out
+
+
+def load_split_rows(settings: PipelineSettings, keys: list[str], split: str):
+    """Rows (sample_id, input_ids int32 [T], loss_mask int8 [T], partition) of ``keys``' QC shards on one split
+    (one of :data:`SPLITS`), in shard order."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
     training = settings.catalog().training
     layout = settings.layout()
     out = []
     for key in keys:
         t = pq.read_table(layout.base / "qc_shards" / key / "shard-00000.parquet",
                           columns=["sample_id", "input_ids", "loss_mask"])
-        for sid, ids, mask in zip(t.column("sample_id").to_pylist(), t.column("input_ids").to_pylist(),
-                                  t.column("loss_mask").to_pylist()):
-            if is_holdout(sid, training.holdout_fraction, training.seed) == holdout:
+        sids = t.column("sample_id").to_pylist()
+        splits = row_splits(sids, training)
+        for sid, ids, mask in zip(sids, t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist()):
+            if splits[sid] == split:
                 out.append((sid, np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.int8), key))
     return out
 
 
+def load_training_rows(settings: PipelineSettings, keys: list[str], holdout: bool):
+    """Rows (sample_id, input_ids int32 [T], loss_mask int8 [T], partition) of ``keys``' QC shards: the training
+    split, or (``holdout``) the held-out test split."""
+    return load_split_rows(settings, keys, "test" if holdout else "train")
+
+
 def mix_candidates(settings: PipelineSettings, keys: list[str]):
-    """Every training (non-held-out) QC row of ``keys`` as a ``MixCandidate`` (completion tokens = loss tokens)."""
+    """Every training-split QC row of ``keys`` as a ``MixCandidate`` (completion tokens = loss tokens)."""
     import pyarrow.compute as pc
 
     from eagle_assets.drafter.mix import MixCandidate
@@ -48,8 +91,10 @@ def mix_candidates(settings: PipelineSettings, keys: list[str]):
         t = pq.read_table(settings.layout().base / "qc_shards" / key / "shard-00000.parquet",
                           columns=["sample_id", "input_ids", "n_prompt_tokens"])
         lengths = pc.subtract(pc.list_value_length(t.column("input_ids")), t.column("n_prompt_tokens")).to_pylist()
-        for sid, n in zip(t.column("sample_id").to_pylist(), lengths):
-            if not is_holdout(sid, training.holdout_fraction, training.seed):
+        sids = t.column("sample_id").to_pylist()
+        splits = row_splits(sids, training)
+        for sid, n in zip(sids, lengths):
+            if splits[sid] == "train":
                 out.append(MixCandidate(key, sid, int(n)))
     return out
 
@@ -167,14 +212,20 @@ def build_training_assets() -> list:
             dg.AssetCheckSpec("export_contract", asset="drafter_checkpoint",
                               description="tensor names, shapes, dtypes and config fields SGLang's EAGLE-3 loader needs"),
             dg.AssetCheckSpec("acceptance_length", asset="drafter_checkpoint",
-                              description="simulated chain drafting on held-out rows: tau per partition"),
+                              description="simulated chain drafting on held-out test rows: tau per partition with "
+                              "its spread, and on prompts from a source the drafter never trained on"),
         ],
     )
     def drafter_checkpoint(context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel):
-        """EAGLE-3 drafter trained with TTT on the target's aux hidden states; SGLang-loadable checkpoint directory."""
-        from eagle_assets.drafter.acceptance import simulate_acceptance
+        """EAGLE-3 drafter trained with TTT on the target's aux hidden states; SGLang-loadable checkpoint directory.
+
+        Metadata: the run's size (rows, steps, epochs, tokens, seconds) and its learning curve (TTT loss and
+        simulated tau on the validation rows against training tokens) as a plot and a table."""
+        from eagle_assets.drafter.evaluation import acceptance_png, evaluate_groups
         from eagle_assets.drafter.export import CheckpointError, load_drafter, validate_checkpoint
-        from eagle_assets.drafter.train import TrainConfig, train_drafter
+        from eagle_assets.drafter.learning_curve import curve_png, curve_table
+        from eagle_assets.drafter.recipe import config_from_catalog
+        from eagle_assets.drafter.train import train_drafter
         from eagle_assets.drafter.vocab import draft_vocab_from_arrays
         from eagle_assets.quality.plots import png_markdown
         from transformers import AutoModelForCausalLM
@@ -186,37 +237,53 @@ def build_training_assets() -> list:
         vocab = draft_vocab_from_arrays(np.load(vocab_dir / "d2t.npy"), np.load(vocab_dir / "t2d.npy"),
                                         np.load(vocab_dir / "token_counts.npy"))
         rows = mixed_training_rows(settings, keys)
-        held = load_training_rows(settings, keys, holdout=True)
+        validation = load_split_rows(settings, keys, "validation")
+        held = load_split_rows(settings, keys, "test")
         model_dir = target.resolve()
         out = settings.layout().stage_dir("drafter_checkpoint")
-        config = TrainConfig(lr=t.lr, epochs=t.epochs, max_length=t.max_length, batch_tokens=t.batch_tokens,
-                             ttt_steps=t.ttt_steps, seed=t.seed, aux_layer_ids=t.aux_layer_ids,
-                             warmup_steps=t.warmup_steps, schedule=t.schedule, save_every_steps=t.save_every_steps)
-        context.log.info(f"training on {len(rows)} rows of {keys}; {len(held)} held out")
+        config = config_from_catalog(t)
+        context.log.info(f"training on {len(rows)} rows of {keys}; {len(validation)} validation rows steer it, "
+                         f"{len(held)} test rows are held out")
         # The training state lives beside the checkpoint: a run killed mid-training (a worker lost, a retry) goes on
         # from its last saved step and ends with the weights an unbroken run would have.
         result = train_drafter(model_dir, [(ids, mask) for _s, ids, mask, _k in rows], vocab, config,
-                               out / "checkpoint", log=_bounded_log(context.log.info), state_dir=out / "train_state")
+                               out / "checkpoint", log=_bounded_log(context.log.info), state_dir=out / "train_state",
+                               validation_rows=[(ids, mask) for _s, ids, mask, _k in validation])
         for note in result.notes:
             context.log.info(note)
         ckpt = Path(result.checkpoint_dir)
+        write_provenance(context, settings, ckpt)  # provenance.json: code, packages, catalog, inputs' versions, run
         losses = [s.loss for s in result.steps]
         write_json_atomic(result.to_dict(), out / "training_metrics.json")
-        png = _loss_png(losses)
-        (out / "loss.png").write_bytes(png)
-        first, last = float(np.mean(losses[: max(1, len(losses) // 10)])), float(np.mean(losses[-max(1, len(losses) // 10):]))
+        png = curve_png(result.curve, result.steps, best_step=result.best_step if result.best_step >= 0 else
+                        (result.curve[-1].step if result.curve else None))
+        (out / "learning_curve.png").write_bytes(png)
+        tenth = max(1, len(losses) // 10)
+        first, last = float(np.mean(losses[:tenth])), float(np.mean(losses[-tenth:]))
+        plan = result.plan
         yield dg.MaterializeResult(metadata={
             "checkpoint": dg.MetadataValue.path(str(ckpt)),
             "train_rows": len(rows),
+            "validation_rows": result.validation_rows,
             "heldout_rows": len(held),
             "steps": len(losses),
+            "planned_steps": plan.total_steps,
+            "epochs": round(len(losses) / plan.batches_per_epoch, 2),
+            "limited_by": plan.limited_by,
+            "train_tokens": sum(s.tokens for s in result.steps),
+            "stopped_early": result.stopped_early,
+            "exported_step": result.best_step if result.best_step >= 0 else len(losses),
             "tokens_per_s": round(result.tokens_per_s, 1),
             "train_seconds": round(result.train_seconds, 1),
+            "feature_seconds": round(result.feature_seconds, 1),
+            "eval_seconds": round(result.eval_seconds, 1),
             "resumed_from_step": result.resumed_from_step,
             "rows_skipped": dg.MetadataValue.json(result.skip_reasons),
             "loss_first_10pct": first,
             "loss_last_10pct": last,
-            "loss_curve": dg.MetadataValue.md(png_markdown(png, "training loss")),
+            "val_tau_final": round(result.curve[-1].val_tau, 4) if result.curve else None,
+            "learning_curve": dg.MetadataValue.md(png_markdown(png, "learning curve")),
+            "learning_curve_table": dg.MetadataValue.md(curve_table(result.curve)),
             "partitions": dg.MetadataValue.json(keys),
         })
         try:
@@ -226,28 +293,18 @@ def build_training_assets() -> list:
         except CheckpointError as exc:
             yield dg.AssetCheckResult(check_name="export_contract", passed=False,
                                       severity=dg.AssetCheckSeverity.ERROR, description=str(exc))
-        target_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
+        target_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
         drafter, _ = load_drafter(ckpt, target_model)
-        per_partition, taus = {}, []
-        for key in keys:
-            part_rows = [(ids, mask) for _s, ids, mask, k in held if k == key] or \
-                        [(ids, mask) for _s, ids, mask, k in rows if k == key][:4]
-            acc = simulate_acceptance(target_model, drafter, vocab, part_rows, k=t.ttt_steps,
-                                      max_positions=t.acceptance_max_positions)
-            per_partition[key] = {"tau": round(acc.tau, 4),
-                                  "per_position_acceptance": [round(a, 4) for a in acc.per_position_acceptance]}
-            taus.append(acc.tau)
-        mean_tau = float(np.mean(taus)) if taus else 0.0
-        passed = mean_tau > 1.0 + t.min_tau_margin
-        warn = mean_tau < t.tau_warn
-        yield dg.AssetCheckResult(
-            check_name="acceptance_length",
-            passed=passed and not warn,
-            severity=dg.AssetCheckSeverity.ERROR if not passed else dg.AssetCheckSeverity.WARN,
-            description=f"mean tau {mean_tau:.3f} (error if <= {1.0 + t.min_tau_margin}, warn under {t.tau_warn})",
-            metadata={"mean_tau": mean_tau, "per_partition": dg.MetadataValue.json(per_partition),
-                      **{f"tau_{k}": v["tau"] for k, v in per_partition.items()}},
-        )
+        groups = {key: [(ids, mask) for _s, ids, mask, k in held if k == key] for key in keys}
+        missing = [k for k, g in groups.items() if not g]
+        heldout = evaluate_groups(target_model, drafter, vocab, {k: g for k, g in groups.items() if g},
+                                  k=t.acceptance_k, max_positions=t.acceptance_max_positions)
+        unseen = None
+        if t.unseen_eval is not None:
+            unseen_rows = unseen_eval_rows(settings, target_model, model_dir, out / "unseen_eval", context.log.info)
+            unseen = evaluate_groups(target_model, drafter, vocab, {"unseen": unseen_rows}, k=t.acceptance_k,
+                                     max_positions=t.acceptance_max_positions).groups["unseen"]
+        yield acceptance_check(t, heldout, unseen, missing, acceptance_png)
 
     return [draft_vocab, training_mix, drafter_checkpoint]
 
@@ -272,8 +329,6 @@ def mixed_training_rows(settings: PipelineSettings, keys: list[str]):
 
 def _bounded_log(log, every_s: float = 5.0):
     """Wrap ``log`` so per-step training lines reach the Dagster log at most every ``every_s`` seconds."""
-    import time
-
     last = [0.0]
 
     def emit(line: str) -> None:
@@ -295,12 +350,105 @@ def _jsonable(obj):
     return obj if isinstance(obj, (int, float, str, bool, type(None))) else str(obj)
 
 
-def _loss_png(losses: list[float]) -> bytes:
-    from eagle_assets.quality.plots import figure_png, plt
+def acceptance_check(t, heldout, unseen, missing: list[str], png_fn) -> dg.AssetCheckResult:
+    """The ``acceptance_length`` check: ERROR when the mean held-out tau is at or under ``1 + min_tau_margin``,
+    WARN under ``tau_warn``; the unseen-source tau is reported beside it (it does not set the level: prompts of
+    another source are expected to draft worse, and how much worse is the figure to read)."""
+    from eagle_assets.quality.plots import png_markdown
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.0), dpi=80)
-    ax.plot(losses)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("TTT loss")
-    ax.set_title("drafter training loss", fontsize=10)
-    return figure_png(fig)
+    mean_tau, ci = heldout.mean_tau, heldout.mean_tau_ci95
+    error_at, warn_under = 1.0 + t.min_tau_margin, t.tau_warn
+    passed = mean_tau > error_at
+    warn = mean_tau < warn_under
+    spread = f" (95% CI {ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
+    text = (f"mean held-out tau {mean_tau:.3f}{spread} over {len(heldout.groups)} partitions, "
+            f"{sum(heldout.rows.values())} test rows, k={t.acceptance_k}")
+    if unseen is not None:
+        u_ci = f" (95% CI {unseen.tau_ci95[0]:.2f}-{unseen.tau_ci95[1]:.2f})" if unseen.tau_ci95 else ""
+        text += f"; unseen-source tau {unseen.tau:.3f}{u_ci} on {unseen.n_rows} rows"
+    text += f" (ERROR at or under {error_at:g}, WARN under {warn_under:g})"
+    if missing:
+        text += f"; no held-out rows for {missing} (left out of the mean)"
+    curves = dict(heldout.groups)
+    if unseen is not None:
+        curves["unseen source"] = unseen
+    metadata = {
+        "mean_tau": mean_tau,
+        "mean_tau_ci95": dg.MetadataValue.json(ci),
+        "tau_error_at_or_under": error_at,
+        "tau_warn_under": warn_under,
+        "k": t.acceptance_k,
+        "per_partition": dg.MetadataValue.json(heldout.summary()),
+        **{f"tau_{k}": round(r.tau, 4) for k, r in heldout.groups.items()},
+        "per_position_acceptance": dg.MetadataValue.md(png_markdown(png_fn(curves), "per-position acceptance")),
+        "partitions_without_heldout_rows": dg.MetadataValue.json(missing),
+    }
+    if unseen is not None:
+        metadata.update({
+            "unseen_tau": round(unseen.tau, 4),
+            "unseen_tau_ci95": dg.MetadataValue.json([round(x, 4) for x in unseen.tau_ci95]),
+            "unseen": dg.MetadataValue.json({
+                "rows": unseen.n_rows, "verifications": unseen.n_verifications,
+                "tau_row_sd": round(unseen.tau_row_sd, 4),
+                "per_position_acceptance": [round(a, 4) for a in unseen.per_position_acceptance]}),
+        })
+    return dg.AssetCheckResult(
+        check_name="acceptance_length",
+        passed=passed and not warn,
+        severity=dg.AssetCheckSeverity.ERROR if not passed else dg.AssetCheckSeverity.WARN,
+        description=text,
+        metadata=metadata,
+    )
+
+
+def unseen_eval_rows(settings: PipelineSettings, target_model, model_dir: Path, cache_dir: Path, log) -> list:
+    """Rows for the unseen-source figure: the catalog's ``training.unseen_eval`` prompts, rendered with the target's
+    chat template and decoded greedily by the local target (:func:`~eagle_assets.drafter.evaluation.greedy_rows`).
+
+    Cached in ``cache_dir/rows.parquet`` under a key of (prompt ids, max_new_tokens, stop ids, the target's weight
+    files' names, sizes and mtimes): a rerun on the same target and prompts generates nothing. Prompts the renderer
+    rejects are skipped and logged.
+    """
+    import pyarrow as pa
+
+    from eagle_assets.drafter.evaluation import greedy_rows
+    from eagle_assets.formats.rows import collect_prompt_rows
+    from eagle_assets.storage import write_parquet_atomic
+    from eagle_assets.target_model.profile import detect_profile
+    from eagle_assets.target_model.render import RenderError, render_prompt
+    from eagle_assets.target_model.tokenizer import load_tokenizer
+
+    catalog = settings.catalog()
+    spec = catalog.training.unseen_eval
+    kept, rejects = collect_prompt_rows("unseen_eval", spec.resolved_sources(catalog.path), spec.prompt_policy)
+    tokenizer = load_tokenizer(model_dir)
+    profile = detect_profile(tokenizer, catalog.target.profile or None)
+    prompts, skipped = [], Counter(r["reason"] for r in rejects)
+    for r in list(kept.values())[: spec.limit]:
+        try:
+            rendered = render_prompt(tokenizer, json.loads(r["messages"]),
+                                     json.loads(r["tools"]) if r["tools"] else None,
+                                     enable_thinking=spec.enable_thinking, max_prompt_tokens=spec.max_prompt_tokens,
+                                     profile=profile)
+        except RenderError as exc:
+            skipped[exc.reason] += 1
+            continue
+        prompts.append(list(rendered.prompt_ids))
+    if skipped:
+        log(f"unseen_eval: {sum(skipped.values())} prompts skipped ({dict(skipped)})")
+    weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(model_dir).glob("*.safetensors"))
+    key = hashlib.sha256(json.dumps([prompts, spec.max_new_tokens, list(profile.stop_ids), weights]).encode()).hexdigest()
+    cached = cache_dir / "rows.parquet"
+    if cached.exists() and (pq.read_schema(cached).metadata or {}).get(b"key", b"").decode() == key:
+        t = pq.read_table(cached)
+        return [(np.asarray(i, dtype=np.int32), np.asarray(m, dtype=np.int8))
+                for i, m in zip(t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist())]
+    started = time.perf_counter()
+    rows = greedy_rows(target_model, prompts, spec.max_new_tokens, profile.stop_ids)
+    log(f"unseen_eval: {len(rows)} rows generated greedily by the target in {time.perf_counter() - started:.1f}s")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist([{"input_ids": i.tolist(), "loss_mask": m.tolist()} for i, m in rows],
+                                 schema=pa.schema([("input_ids", pa.list_(pa.int32())),
+                                                   ("loss_mask", pa.list_(pa.int8()))], metadata={"key": key}))
+    write_parquet_atomic(table, cached)
+    return rows

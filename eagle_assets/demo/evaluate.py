@@ -10,6 +10,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,82 +75,185 @@ def check_reply(output_ids: list[int], tokenizer, expect_tool_call: bool) -> Rep
     return verdict("")
 
 
-def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                     seed: int = 0, batch_size: int = 16) -> list[list[int]]:
-    """Generate a reply per prompt (ids) with ``model.generate``; returns the new ids up to and including the first
-    stop id (or ``max_new_tokens`` ids when none came). ``temperature`` 0 means greedy."""
-    import torch
+def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens: int | list[int],
+                     temperature: float = 0.0, seed: int = 0) -> list[list[int]]:
+    """Generate a reply per prompt (ids) with :class:`~eagle_assets.serving.engine.DecodeEngine`, the embedded
+    server's own continuous-batching decoder, so a verdict here is a verdict on what the pipeline will generate.
 
-    eos, pad = tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    # Longest first keeps padding small inside each batch.
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    out: list[list[int]] = [[] for _ in prompts]
-    torch.manual_seed(seed)
-    for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
-        width = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, i in enumerate(idx):
-            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]):] = 1
-        kwargs: dict[str, Any] = {"do_sample": temperature > 0}
-        if temperature > 0:
-            kwargs.update(temperature=temperature, top_p=1.0, top_k=0)
-        with torch.no_grad():
-            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                 eos_token_id=[eos, pad], pad_token_id=pad, **kwargs)
-        for r, i in enumerate(idx):
-            new = gen[r, width:].tolist()
-            cut = next((j for j, t in enumerate(new) if t in (eos, pad)), None)
-            out[i] = new if cut is None else new[:cut + 1]
-    return out
+    Args:
+        model: a causal LM in eval mode; load it with ``load_causal_lm`` (float64 on CPU, as the server does) for
+            replies that match the server's token for token.
+        tokenizer: the target's tokenizer (its EOS ids join the model's, as in ``model_eos_ids``).
+        prompts: prompt ids per request.
+        max_new_tokens: one cap for all prompts or one per prompt.
+        temperature: 0 means greedy; otherwise request ``i`` samples with seed ``seed + i`` (top-p 1, top-k off).
+
+    Returns:
+        The generated ids per prompt, up to and including the stop id, or ``max_new_tokens`` ids when none came.
+
+    Raises:
+        RuntimeError: the engine aborted a request (its forward failed); the message is the engine's.
+    """
+    from eagle_assets.serving.engine import DecodeEngine, EngineRequest, model_eos_ids
+    from eagle_assets.serving.protocol import SamplingParams
+
+    caps = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
+    if len(caps) != len(prompts):
+        raise ValueError(f"{len(caps)} max_new_tokens values for {len(prompts)} prompts; give one per prompt")
+    if not prompts:
+        return []
+    results: dict[int, Any] = {}
+    done = threading.Event()
+
+    def on_done(result) -> None:  # runs in the engine thread
+        results[int(result.rid)] = result
+        if len(results) == len(prompts):
+            done.set()
+
+    engine = DecodeEngine(model, model_eos_ids(model, tokenizer), max_batch_size=max(1, len(prompts)),
+                          batch_wait_s=0.0, seed=seed)
+    requests = [EngineRequest(rid=str(i), input_ids=list(p), on_done=on_done,
+                              params=SamplingParams(max_new_tokens=cap, temperature=temperature, top_p=1.0, top_k=-1,
+                                                    seed=None if temperature <= 0 else seed + i))
+                for i, (p, cap) in enumerate(zip(prompts, caps))]
+    engine.start()
+    try:
+        engine.submit(requests)
+        done.wait()
+    finally:
+        engine.stop()
+    aborted = [r for r in results.values() if r.finish_reason.get("type") == "abort"]
+    if aborted:
+        raise RuntimeError(f"the decode engine aborted {len(aborted)} of {len(prompts)} requests: "
+                           f"{aborted[0].finish_reason.get('message')}")
+    return [results[i].output_ids for i in range(len(prompts))]
 
 
-def evaluate_target(model_dir: Path, samples: list[DemoSample], max_new_tokens: int = 600, temperature: float = 0.0,
-                    seed: int = 0, batch_size: int = 16) -> dict[str, Any]:
-    """Generate for ``samples`` and summarize per kind: ``{kind: {"n", "structure_rate", "median_tokens",
-    "min_tokens", "max_tokens", "failures": {reason: count}}}``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def evaluate_target(model_dir: Path, samples: list[DemoSample], max_new_tokens: int | dict[str, int] = 600,
+                    temperature: float = 0.0, seed: int = 0, dtype: str = "auto") -> dict[str, Any]:
+    """Generate for ``samples`` and summarize per kind.
+
+    Args:
+        model_dir: a demo target directory.
+        samples: the prompts (their ``kind`` decides the cap and whether a tool call is expected).
+        max_new_tokens: one cap, or a cap per kind.
+        temperature, seed: see :func:`generate_replies`.
+        dtype: as the embedded server's ``--dtype`` ("auto" = float64 on CPU, the replies the pipeline gets).
+
+    Returns:
+        ``{kind: {"n", "ok", "structure_rate", "at_cap", "cap", "median_tokens", "min_tokens", "max_tokens",
+        "failures": {reason: count}, "examples": [last 160 characters of up to 2 failed replies]}}``; ``at_cap``
+        counts replies of ``cap`` tokens (cut off, or ending exactly there).
+    """
+    from transformers import AutoTokenizer
 
     from eagle_assets.demo.build import encode_sample
+    from eagle_assets.serving.engine import load_causal_lm
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_causal_lm(str(model_dir), dtype=dtype)
+    caps = {kind: max_new_tokens for kind in KINDS} if isinstance(max_new_tokens, int) else dict(max_new_tokens)
     prompts = [encode_sample(tokenizer, s)[0] for s in samples]
-    replies = generate_replies(model, tokenizer, prompts, max_new_tokens, temperature, seed, batch_size)
+    replies = generate_replies(model, tokenizer, prompts, [caps[s.kind] for s in samples], temperature, seed)
     report: dict[str, Any] = {}
     for kind in KINDS:
-        checks = [check_reply(r, tokenizer, s.kind == "tool") for s, r in zip(samples, replies) if s.kind == kind]
-        if not checks:
+        pairs = [(r, check_reply(r, tokenizer, s.kind == "tool")) for s, r in zip(samples, replies) if s.kind == kind]
+        if not pairs:
             continue
-        lengths = [c.n_tokens for c in checks]
+        lengths = [c.n_tokens for _, c in pairs]
         failures: dict[str, int] = {}
-        for c in checks:
+        for _, c in pairs:
             if not c.ok:
                 failures[c.reason] = failures.get(c.reason, 0) + 1
-        report[kind] = {"n": len(checks), "structure_rate": sum(c.ok for c in checks) / len(checks),
+        ok = sum(c.ok for _, c in pairs)
+        report[kind] = {"n": len(pairs), "ok": ok, "structure_rate": round(ok / len(pairs), 4),
+                        "at_cap": sum(n >= caps[kind] for n in lengths), "cap": caps[kind],
                         "median_tokens": statistics.median(lengths), "min_tokens": min(lengths),
-                        "max_tokens": max(lengths), "failures": failures}
+                        "max_tokens": max(lengths), "failures": failures,
+                        "examples": [tokenizer.decode(r, skip_special_tokens=False)[-160:]
+                                     for r, c in pairs if not c.ok][:2]}
     return report
+
+
+# ---------------------------------------------------------------------------------------------------------- gate
+
+GATE_MIN_STRUCTURE_RATE = 0.98
+
+
+def default_catalog_caps() -> dict[str, int]:
+    """``sampling.max_new_tokens`` per demo kind in the shipped ``catalogs/default.yaml`` (the partition whose
+    source file is that kind's demo file), so the gate tests the caps the default run generates with.
+
+    Raises:
+        FileNotFoundError: the repository's ``catalogs/default.yaml`` is absent (a non-editable install).
+        KeyError: the default catalog has no partition reading one of the demo files.
+    """
+    from eagle_assets.catalog import load_catalog
+    from eagle_assets.demo.raw_samples import FILES, default_out_dir
+
+    catalog = load_catalog(default_out_dir().parent / "default.yaml")
+    caps: dict[str, int] = {}
+    for kind, name in FILES.items():
+        for spec in catalog.partitions.values():
+            if any(Path(src.path).name == name for src in spec.sources):
+                caps[kind] = spec.sampling.max_new_tokens
+                break
+        else:
+            raise KeyError(f"catalogs/default.yaml has no partition reading demo_data/{name}")
+    return caps
+
+
+def gate_samples() -> list[DemoSample]:
+    """Every well-formed prompt of the committed demo files (``catalogs/demo_data/*``), all kinds, file order."""
+    from eagle_assets.demo.raw_samples import prompt_samples
+
+    return [s for kind in KINDS for s in prompt_samples(kind)]
+
+
+def gate_report(model_dir: Path) -> dict[str, Any]:
+    """Greedy replies of ``model_dir`` to :func:`gate_samples` under :func:`default_catalog_caps`, generated the
+    way the embedded server generates them (float64, continuous batching); see :func:`evaluate_target`."""
+    return evaluate_target(model_dir, gate_samples(), default_catalog_caps())
+
+
+def gate_failures(report: dict[str, Any], min_rate: float = GATE_MIN_STRUCTURE_RATE) -> list[str]:
+    """One line per failed rule: a kind whose structure rate is below ``min_rate``, or that has a reply at its cap
+    (a loop the pipeline's truncation checks would stop the partition for). Empty when the gate passes."""
+    out = []
+    for kind, r in report.items():
+        if r["structure_rate"] < min_rate:
+            out.append(f"{kind}: structure ok {r['ok']}/{r['n']} ({r['structure_rate']:.1%}, the gate needs >= "
+                       f"{min_rate:.0%}); failures {r['failures']}")
+        if r["at_cap"]:
+            out.append(f"{kind}: {r['at_cap']} of {r['n']} replies reach the {r['cap']}-token cap (the gate allows "
+                       f"none); e.g. ...{r['examples'][0]!r}" if r["examples"] else
+                       f"{kind}: {r['at_cap']} of {r['n']} replies reach the {r['cap']}-token cap (the gate allows none)")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     from eagle_assets.demo.build import build_demo_target
-    from eagle_assets.demo.raw_samples import prompt_samples
+    from eagle_assets.demo.transcripts import generate_samples
 
     parser = argparse.ArgumentParser(prog="python -m eagle_assets.demo.evaluate",
                                      description="structure rate and reply lengths of the demo target per kind")
     parser.add_argument("--model-dir", type=Path, default=None, help="default: build or reuse the demo target")
-    parser.add_argument("--per-kind", type=int, default=16)
+    parser.add_argument("--fresh-seed", type=int, default=None,
+                        help="prompts from this generator seed instead of the committed demo files")
+    parser.add_argument("--per-kind", type=int, default=50)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--max-new-tokens", type=int, default=600)
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the default catalog's caps")
+    parser.add_argument("--dtype", default="auto", help="as the embedded server's --dtype (auto = float64 on CPU)")
     args = parser.parse_args(argv)
     model_dir = args.model_dir or build_demo_target()
-    samples = [s for kind in KINDS for s in prompt_samples(kind)[:args.per_kind]]
-    report = evaluate_target(model_dir, samples, args.max_new_tokens, args.temperature)
-    json.dump(report, sys.stdout, indent=2)
+    if args.fresh_seed is None:
+        everything = gate_samples()
+        samples = [s for kind in KINDS for s in [t for t in everything if t.kind == kind][:args.per_kind]]
+    else:
+        samples = [s for kind in KINDS for s in generate_samples(kind, args.per_kind, args.fresh_seed)]
+    caps = args.max_new_tokens or default_catalog_caps()
+    report = evaluate_target(model_dir, samples, caps, args.temperature, dtype=args.dtype)
+    json.dump({"report": report, "gate_failures": gate_failures(report)}, sys.stdout, indent=2)
     print()
     return 0
 

@@ -43,6 +43,10 @@ class AcceptanceResult:
         n_rows: rows that contributed at least one verification.
         exact_reruns: target re-runs needed because an accepted draft left the row's tokens.
         k: drafts per verification.
+        row_verifications / row_tokens: per row that contributed, its verifications and emitted tokens (in row
+            order), from which the spread is taken.
+        tau_ci95: 95% bootstrap interval of tau over rows (``[lo, hi]``; see :func:`bootstrap_tau`).
+        tau_row_sd: standard deviation of the per-row tau (``row_tokens / row_verifications``).
     """
 
     tau: float
@@ -55,10 +59,16 @@ class AcceptanceResult:
     exact_reruns: int
     k: int
     notes: list[str] = field(default_factory=list)
+    row_verifications: list[int] = field(default_factory=list)
+    row_tokens: list[int] = field(default_factory=list)
+    tau_ci95: list[float] = field(default_factory=list)
+    tau_row_sd: float = 0.0
 
     def to_dict(self) -> dict:
         return {
             "tau": self.tau,
+            "tau_ci95": self.tau_ci95,
+            "tau_row_sd": self.tau_row_sd,
             "per_position_acceptance": self.per_position_acceptance,
             "conditional_acceptance": self.conditional_acceptance,
             "accept_length_histogram": self.accept_length_histogram,
@@ -68,7 +78,61 @@ class AcceptanceResult:
             "exact_reruns": self.exact_reruns,
             "k": self.k,
             "notes": self.notes,
+            "row_verifications": self.row_verifications,
+            "row_tokens": self.row_tokens,
         }
+
+
+def bootstrap_tau(
+    row_verifications: Sequence[int], row_tokens: Sequence[int], resamples: int = 2000, seed: int = 0
+) -> tuple[list[float], float]:
+    """95% percentile-bootstrap interval of tau over rows, and the standard deviation of per-row tau.
+
+    Rows are the resampling unit (verifications within a row are not independent): each resample draws rows with
+    replacement and takes ``sum(tokens) / sum(verifications)``, the same ratio estimator as tau (Efron and
+    Tibshirani, "An Introduction to the Bootstrap", 1993, ch. 13). Seeded, so the interval is reproducible.
+
+    Returns:
+        ``([lo, hi], sd)``; ``([], 0.0)`` without rows.
+    """
+    v = np.asarray(row_verifications, dtype=np.float64)
+    t = np.asarray(row_tokens, dtype=np.float64)
+    if v.size == 0:
+        return [], 0.0
+    sd = float(np.std(t / v, ddof=1)) if v.size > 1 else 0.0
+    pick = np.random.default_rng(seed).integers(0, v.size, size=(resamples, v.size))
+    taus = t[pick].sum(axis=1) / v[pick].sum(axis=1)
+    lo, hi = np.percentile(taus, [2.5, 97.5])
+    return [float(lo), float(hi)], sd
+
+
+def mean_tau_over_groups(
+    groups: dict[str, tuple[Sequence[int], Sequence[int]]], resamples: int = 2000, seed: int = 0
+) -> tuple[float, list[float]]:
+    """Mean over groups (partitions) of each group's tau, with a stratified 95% bootstrap interval.
+
+    Args:
+        groups: name -> ``(row_verifications, row_tokens)`` of that group's rows (:class:`AcceptanceResult`).
+
+    Each resample redraws rows with replacement within every group, takes each group's tau
+    (``sum tokens / sum verifications``) and averages them, so every group weighs the same however many rows or
+    verifications it has. Groups without rows are left out.
+
+    Returns:
+        ``(mean tau, [lo, hi])``; ``(0.0, [])`` when no group has rows.
+    """
+    kept = [(np.asarray(v, np.float64), np.asarray(t, np.float64)) for v, t in groups.values() if len(v)]
+    if not kept:
+        return 0.0, []
+    point = float(np.mean([t.sum() / v.sum() for v, t in kept]))
+    gen = np.random.default_rng(seed)
+    taus = np.zeros(resamples)
+    for v, t in kept:
+        pick = gen.integers(0, v.size, size=(resamples, v.size))
+        taus += t[pick].sum(axis=1) / v[pick].sum(axis=1)
+    taus /= len(kept)
+    lo, hi = np.percentile(taus, [2.5, 97.5])
+    return point, [float(lo), float(hi)]
 
 
 def completion_segments(loss_mask: np.ndarray) -> list[tuple[int, int]]:
@@ -88,6 +152,7 @@ def simulate_acceptance(
     rows: Sequence[tuple[np.ndarray, np.ndarray]],
     k: int = 7,
     max_positions: int | None = 2000,
+    features: dict[int, tuple[torch.Tensor, np.ndarray]] | None = None,
 ) -> AcceptanceResult:
     """Simulate temperature-0 chain drafting over held-out rows (see module docstring).
 
@@ -98,6 +163,9 @@ def simulate_acceptance(
         rows: ``(input_ids int [T], loss_mask 0/1 [T])`` pairs; prompt tokens have mask 0.
         k: drafts per verification (SGLang ``--speculative-num-steps``).
         max_positions: stop after this many verifications in total (None = no cap).
+        features: a dict kept by the caller across calls on the same rows and target: the target's aux hidden
+            states ``[1, T, 3H]`` and greedy ids ``[T]`` of row ``i`` are stored under ``i`` on first use and
+            reused after (the target is frozen; only the drafter changes between calls).
 
     Returns:
         :class:`AcceptanceResult`.
@@ -117,6 +185,8 @@ def simulate_acceptance(
     vocab_size = drafter.config.vocab_size
 
     lengths: list[int] = []
+    row_verifications: list[int] = []
+    row_tokens: list[int] = []
     histogram = np.zeros(k + 1, dtype=np.int64)
     reruns = 0
     rows_used = 0
@@ -144,11 +214,16 @@ def simulate_acceptance(
         if not segments:
             continue
         ids = torch.from_numpy(ids_np)
-        aux, final = run_target(target_model, ids, capture)
-        greedy = head_argmax(target_model, final[0]).numpy()
+        if features is not None and row_index in features:
+            aux, greedy = features[row_index]
+        else:
+            aux, final = run_target(target_model, ids, capture)
+            greedy = head_argmax(target_model, final[0]).numpy()
+            if features is not None:
+                features[row_index] = (aux, greedy)
         _, drafts = drafter.unroll(aux, ids.unsqueeze(0), k, feed_own_tokens=True)
         chain = torch.stack([d[0] for d in drafts], dim=-1).numpy()  # [T, k]: row p drafts tokens p+2..p+k+1
-        used = False
+        before = len(lengths)
         for start, end in segments:
             n = start
             while n <= end - 2 and len(lengths) < budget:
@@ -170,9 +245,11 @@ def simulate_acceptance(
                     off_row = off_row or draft != int(ids_np[n + j + 1])
                 lengths.append(len(accepted))
                 histogram[len(accepted)] += 1
-                used = True
                 n += len(accepted) + 1
-        rows_used += int(used)
+        if len(lengths) > before:
+            rows_used += 1
+            row_verifications.append(len(lengths) - before)
+            row_tokens.append(int(sum(lengths[before:])) + len(lengths) - before)
 
     if was_training:
         drafter.train()
@@ -185,6 +262,7 @@ def simulate_acceptance(
     for j in range(k):
         prior = (acc >= j).sum()
         conditional.append(float((acc >= j + 1).sum() / prior) if prior else 0.0)
+    ci, sd = bootstrap_tau(row_verifications, row_tokens)
     return AcceptanceResult(
         tau=float((acc + 1).mean()),
         per_position_acceptance=[float(r) for r in reach],
@@ -196,4 +274,8 @@ def simulate_acceptance(
         exact_reruns=reruns,
         k=k,
         notes=notes,
+        row_verifications=row_verifications,
+        row_tokens=row_tokens,
+        tau_ci95=ci,
+        tau_row_sd=sd,
     )

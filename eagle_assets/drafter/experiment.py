@@ -3,7 +3,7 @@
 Used by ``bench/exp_regeneration.py`` (regenerated vs original responses) and ``bench/exp_training_mix.py``
 (balanced vs unbalanced mix). Each arm gets the pipeline's own recipe: a draft vocab built from the arm's own
 completion tokens (as ``draft_vocab`` does), :func:`train_drafter` with the catalog's training settings, and
-:func:`simulate_acceptance` (k = ``ttt_steps``) on the same held-out rows for every arm.
+:func:`simulate_acceptance` (k = ``acceptance_k``) on the same held-out rows for every arm.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def train_and_measure(
         model_dir: the target model directory.
         train_rows: ``(input_ids int32 [T], loss_mask int8 [T])`` training rows of this arm.
         heldout: partition -> held-out rows (target generations), the same for every arm.
-        training: a ``catalog.TrainingSpec`` (draft_vocab_size, lr, epochs, max_length, batch_tokens, seed,
-            ttt_steps, aux_layer_ids, warmup_steps, acceptance_max_positions).
+        training: a ``catalog.TrainingSpec`` (its recipe fields, see ``drafter.recipe.config_from_catalog``, and
+            draft_vocab_size, acceptance_k, acceptance_max_positions).
         out_dir: this arm's directory (checkpoint under ``checkpoint/``, ``result.json``).
     Returns: ``{"train_rows", "train_tokens", "draft_vocab_coverage", "train_seconds", "final_loss", "tau":
         {partition: tau}, "per_position": {partition: [acceptance of draft i]}, "mean_tau"}``; tau in tokens per
@@ -49,8 +49,9 @@ def train_and_measure(
 
     from eagle_assets.drafter.acceptance import simulate_acceptance
     from eagle_assets.drafter.export import load_drafter
-    from eagle_assets.drafter.train import TrainConfig, train_drafter
     from eagle_assets.assets.training import target_vocab_size
+    from eagle_assets.drafter.recipe import config_from_catalog
+    from eagle_assets.drafter.train import train_drafter
     from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
 
     out_dir = Path(out_dir)
@@ -58,10 +59,7 @@ def train_and_measure(
     vocab_size = target_vocab_size(model_dir)
     counts = count_completion_tokens(train_rows, vocab_size)
     vocab = build_draft_vocab(counts, vocab_size, training.draft_vocab_size)
-    config = TrainConfig(lr=training.lr, epochs=training.epochs, max_length=training.max_length,
-                         batch_tokens=training.batch_tokens, ttt_steps=training.ttt_steps, seed=training.seed,
-                         aux_layer_ids=training.aux_layer_ids, warmup_steps=training.warmup_steps,
-                         schedule=training.schedule)
+    config = config_from_catalog(training)
     started = time.monotonic()
     result = train_drafter(model_dir, list(train_rows), vocab, config, out_dir / "checkpoint", log=lambda _l: None)
     seconds = time.monotonic() - started
@@ -69,7 +67,7 @@ def train_and_measure(
     drafter, _ = load_drafter(Path(result.checkpoint_dir), target)
     tau, per_position = {}, {}
     for part, rows in heldout.items():
-        acc = simulate_acceptance(target, drafter, vocab, list(rows), k=training.ttt_steps,
+        acc = simulate_acceptance(target, drafter, vocab, list(rows), k=training.acceptance_k,
                                   max_positions=training.acceptance_max_positions)
         tau[part] = round(acc.tau, 4)
         per_position[part] = [round(a, 4) for a in acc.per_position_acceptance]

@@ -4,7 +4,8 @@ Also Dolly (databricks-dolly-15k: ``instruction, context, response, category``).
 
 Stanford Alpaca / code_alpaca (``data/code_alpaca_2k.json``) and LLaMA-Factory's ``alpaca`` format (optional
 ``system`` and ``history``). The user turn is the instruction, followed by a blank line and the input when the input
-is non-empty (the convention of Alpaca's own prompt). The output becomes the reference assistant reply.
+is non-empty (the convention of Alpaca's own prompt). The output becomes the reference assistant reply; a missing
+or malformed output never rejects the prompt (a reference is kept for comparison only).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from eagle_assets.formats.conversation import (
     RecordError,
     finalize,
     make_message,
+    reference_text,
     require,
 )
 
 NAME = "alpaca"
+SIGNATURE_KEYS = ("instruction",)
 
 
 def matches(record: Any) -> bool:
@@ -55,7 +58,7 @@ def parse(record: Any, row: int) -> Conversation:
     extra = _text(record, "input") or _text(record, "context")  # Dolly names the input "context"
     user = instruction if not extra.strip() else f"{instruction}\n\n{extra}"
     messages.append({"role": "user", "content": user})
-    output = _text(record, "output") or _text(record, "response")  # Dolly: "response"
+    output = reference_text(record.get("output")) or reference_text(record.get("response"))  # Dolly: "response"
     if output:
         messages.append(make_message("assistant", output, "output"))
     return finalize(messages, None, row, record)

@@ -2,7 +2,9 @@
 
 Every loader in this package turns one raw record into either a :class:`Conversation` (OpenAI-style messages plus
 OpenAI tool schemas) or a :class:`Rejected` with a named reason. Loaders never raise on bad records: a malformed
-record is data, counted and written to the rejects table by the pipeline.
+record is data, counted and written to the rejects table by the pipeline. Whatever a loader builds,
+:func:`check_conversation` checks it before it is kept (roles, types, strict JSON, UTF-8), so no loader can let a
+malformed conversation through.
 
 Message shape (shared convention of the project)::
 
@@ -17,6 +19,7 @@ as in the OpenAI chat API and the ``tools`` argument of ``transformers`` ``apply
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +36,12 @@ INVALID_TOOL_ARGUMENTS = "invalid_tool_arguments"  # tool-call arguments are not
 INVALID_TOOL_CALL = "invalid_tool_call"  # a tool call without a function name
 INVALID_TOOLS = "invalid_tools"  # the tool definitions are not a list of named function schemas
 UNPARSEABLE_TEXT = "unparseable_text"  # raw text layouts (glaive) whose speaker markers cannot be found
+INVALID_UNICODE = "invalid_unicode"  # a lone UTF-16 surrogate (JSON "\ud800") or a byte that is not UTF-8
+NON_FINITE_NUMBER = "non_finite_number"  # NaN / Infinity in messages or tools: not JSON, a template would print NaN
+MISSING_TOOL_DOCS = "missing_tool_docs"  # the record names tool docs kept in another file that cannot be found
+UNDETECTED_LAYOUT = "undetected_layout"  # format auto: no known layout matches the file's records
+TRUNCATED_FILE = "truncated_file"  # a compressed file ends mid-stream: the records after the cut are lost
+DUPLICATE = "duplicate"  # the same raw record twice in one partition (same sample_id): one is kept
 MALFORMED_RECORD = "malformed_record"  # any other structural surprise, caught so one record cannot stop a run
 
 REJECT_REASONS: tuple[str, ...] = (
@@ -47,6 +56,12 @@ REJECT_REASONS: tuple[str, ...] = (
     INVALID_TOOL_CALL,
     INVALID_TOOLS,
     UNPARSEABLE_TEXT,
+    INVALID_UNICODE,
+    NON_FINITE_NUMBER,
+    MISSING_TOOL_DOCS,
+    UNDETECTED_LAYOUT,
+    TRUNCATED_FILE,
+    DUPLICATE,
     MALFORMED_RECORD,
 )
 
@@ -390,9 +405,158 @@ def require(record: Any, key: str, kind: type | tuple[type, ...], layout: str) -
     if not isinstance(record, dict):
         raise RecordError(NOT_AN_OBJECT, f"{layout} record is a {type(record).__name__}, expected a JSON object")
     if record.get(key) is None:
-        raise RecordError(MISSING_FIELD, f"{layout} record has no {key!r} field (keys: {sorted(record)[:12]})")
+        raise RecordError(MISSING_FIELD, f"{layout} record has no {key!r} field, or it is null (keys: {sorted(record)[:12]})")
     value = record[key]
     if not isinstance(value, kind):
         names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
         raise RecordError(BAD_FIELD_TYPE, f"{layout} field {key!r} is a {type(value).__name__}, expected {names}")
     return value
+
+
+def reference_text(value: Any) -> str | None:
+    """A dataset's reference answer as text, or None when it has none usable; never raises.
+
+    A reference is kept for comparison only (the training target is the target model's own generation), so it is
+    never a reason to drop a prompt: strings pass, finite numbers (AMC/AIME's ``"answer": 27.0``) are written as
+    JSON numbers (``"27.0"``), and anything else (a list, an object, a bool, NaN, text that is not valid Unicode)
+    gives None -- the prompt is kept without a reference.
+    """
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        try:
+            return json.dumps(value)
+        except ValueError:  # an integer past Python's int-to-str digit limit
+            return None
+    if isinstance(value, str) and _utf8_ok(value):
+        return value
+    return None
+
+
+def _utf8_ok(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _first_path(value: Any, bad, where: str) -> str | None:
+    """Path (``messages[2].content``) of the first string or number in ``value`` for which ``bad`` is true, dict
+    keys included; iterative, so a deeply nested record cannot exhaust the stack."""
+    stack = [(where, value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, dict):
+            for k, x in reversed(list(v.items())):
+                if bad(k):
+                    return f"{path} (a key)"
+                stack.append((f"{path}[{k!r}]", x))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+        elif bad(v):
+            return path
+    return None
+
+
+def _bad_unicode(v: Any) -> bool:
+    return isinstance(v, str) and not _utf8_ok(v)
+
+
+def _describe_bad_char(ch: str) -> str:
+    cp = ord(ch)
+    if 0xDC80 <= cp <= 0xDCFF:  # how the reader's surrogateescape carries a byte that is not UTF-8
+        return f"the byte 0x{cp - 0xDC00:02x}, which is not UTF-8 (or the lone surrogate \\u{cp:04x})"
+    return f"the lone UTF-16 surrogate \\u{cp:04x}"
+
+
+def _non_finite(v: Any) -> bool:
+    return isinstance(v, float) and not math.isfinite(v)
+
+
+VALID_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_tool_call(call: Any, where: str) -> None:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(fn, dict) and call.get("type") == "function"):
+        raise RecordError(INVALID_TOOL_CALL, f"{where}: not a {{'type': 'function', 'function': {{...}}}} tool call")
+    if not (isinstance(fn.get("name"), str) and fn["name"].strip()):
+        raise RecordError(INVALID_TOOL_CALL, f"{where}: tool call has no function name")
+    if not isinstance(fn.get("arguments"), dict):
+        raise RecordError(INVALID_TOOL_ARGUMENTS, f"{where} ({fn['name']}): arguments are not a JSON object")
+
+
+def _check_tool(tool: Any, where: str) -> None:
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if not (isinstance(fn, dict) and tool.get("type") == "function"):
+        raise RecordError(INVALID_TOOLS, f"{where}: not a {{'type': 'function', 'function': {{...}}}} tool")
+    name = fn.get("name")
+    if not (isinstance(name, str) and name.strip()):
+        raise RecordError(INVALID_TOOLS, f"{where}: function schema has no name")
+    if "description" in fn and not isinstance(fn["description"], str):
+        raise RecordError(INVALID_TOOLS, f"{where} ({name}): description is a {type(fn['description']).__name__}, expected text")
+    params = fn.get("parameters")
+    if not (isinstance(params, dict) and params.get("type") == "object"):
+        raise RecordError(INVALID_TOOLS, f"{where} ({name}): parameters are not a JSON schema of type 'object'")
+    props = params.get("properties", {})
+    if not (isinstance(props, dict) and all(isinstance(p, dict) for p in props.values())):
+        raise RecordError(INVALID_TOOLS, f"{where} ({name}): 'properties' is not an object of property schemas")
+    required = params.get("required", [])
+    if not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise RecordError(INVALID_TOOLS, f"{where} ({name}): 'required' is not a list of property names")
+
+
+def check_conversation(conv: Conversation) -> Conversation:
+    """Every rule a kept conversation satisfies, checked on the normalized result (whatever loader built it).
+
+    Messages: a non-empty list of dicts, role in :data:`VALID_ROLES`, ``content`` text, ``reasoning_content`` and
+    ``name`` text when present, ``tool_calls`` (assistant only) a list of ``{"type": "function", "function":
+    {"name": str, "arguments": dict}}``; at least one user turn with text. Tools: None or a list of
+    ``{"type": "function", "function": {"name", "description"?, "parameters": {"type": "object",
+    "properties"?: {name: schema}, "required"?: [str]}}}``. Everything JSON-serialisable as strict JSON (no NaN or
+    Infinity) and encodable as UTF-8 (no lone surrogates), so it can be stored, rendered and tokenized.
+
+    Returns ``conv`` unchanged. Raises RecordError (``unknown_role``, ``bad_field_type``, ``no_user_turn``,
+    ``invalid_tool_call``, ``invalid_tool_arguments``, ``invalid_tools``, ``invalid_unicode``,
+    ``non_finite_number``, ``malformed_record``) naming the offending field.
+    """
+    msgs = conv.messages
+    if not isinstance(msgs, list) or not msgs:
+        raise RecordError(EMPTY_PROMPT, "the record has no messages")
+    for i, m in enumerate(msgs):
+        where = f"message {i}"
+        if not isinstance(m, dict):
+            raise RecordError(MALFORMED_RECORD, f"{where} is a {type(m).__name__}, expected an object")
+        role = m.get("role")
+        if role not in VALID_ROLES:
+            raise RecordError(UNKNOWN_ROLE, f"{where}: role {role!r} is not one of {list(VALID_ROLES)}")
+        for key in ("content", "reasoning_content", "name"):
+            if (key == "content" or key in m) and not isinstance(m.get(key), str):
+                raise RecordError(BAD_FIELD_TYPE, f"{where} ({role}): {key} is a {type(m.get(key)).__name__}, expected text")
+        if "tool_calls" in m:
+            if role != "assistant" or not isinstance(m["tool_calls"], list):
+                raise RecordError(INVALID_TOOL_CALL, f"{where} ({role}): tool_calls must be a list on an assistant message")
+            for j, call in enumerate(m["tool_calls"]):
+                _check_tool_call(call, f"{where} call {j}")
+    if not any(m["role"] == "user" and m["content"].strip() for m in msgs):
+        raise RecordError(NO_USER_TURN, f"no user turn with text among roles {[m['role'] for m in msgs]}")
+    if conv.tools is not None:
+        if not isinstance(conv.tools, list) or not conv.tools:
+            raise RecordError(INVALID_TOOLS, "tools must be None or a non-empty list of function schemas")
+        for i, tool in enumerate(conv.tools):
+            _check_tool(tool, f"tools[{i}]")
+    for where, value in (("messages", msgs), ("tools", conv.tools)):
+        bad = _first_path(value, _non_finite, where)
+        if bad is not None:
+            raise RecordError(NON_FINITE_NUMBER, f"{bad} is NaN or Infinity, which strict JSON (and a chat template's tojson) cannot hold")
+        try:
+            json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = _first_path(value, _bad_unicode, where)
+            raise RecordError(INVALID_UNICODE, f"{bad} holds {_describe_bad_char(e.object[e.start])}: it cannot be encoded as UTF-8 or tokenized; repair the text in the source") from None
+        except (TypeError, ValueError, RecursionError) as e:
+            raise RecordError(MALFORMED_RECORD, f"the normalized {where} are not JSON-serialisable ({type(e).__name__}: {e})") from None
+    return conv

@@ -32,6 +32,7 @@ from eagle_assets.formats.conversation import (
 )
 
 NAME = "glaive"
+SIGNATURE_KEYS = ("chat",)
 _SPEAKERS = {"SYSTEM": "system", "USER": "user", "ASSISTANT": "assistant", "FUNCTION RESPONSE": "tool"}
 _SPEAKER_RE = re.compile(r"(?:^|\n)[ \t]*(SYSTEM|USER|ASSISTANT|FUNCTION RESPONSE):[ \t]?")
 _EOT = "<|endoftext|>"

@@ -1,16 +1,18 @@
 """GSM8K layout (openai/grade-school-math ``grade_school_math/data/*.jsonl``): ``{"question": str, "answer": str}``.
 
 The answer (worked solution with ``<<calc>>`` annotations and a final ``#### n`` line) is kept verbatim as the
-reference reply.
+reference reply. Sets in the same shape with a bare numeric answer (opencompass/AIME2025 ``{"question",
+"answer"}``) keep the number as the reference; a missing or malformed answer never rejects the prompt.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from eagle_assets.formats.conversation import BAD_FIELD_TYPE, Conversation, RecordError, finalize, make_message, require
+from eagle_assets.formats.conversation import Conversation, finalize, make_message, reference_text, require
 
 NAME = "gsm8k"
+SIGNATURE_KEYS = ("question",)
 
 
 def matches(record: Any) -> bool:
@@ -22,9 +24,7 @@ def parse(record: Any, row: int) -> Conversation:
     """One GSM8K problem -> Conversation; raises RecordError (see conversation.REJECT_REASONS)."""
     question = require(record, "question", str, "gsm8k")
     messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
-    answer = record.get("answer")
-    if answer is not None and not isinstance(answer, str):
-        raise RecordError(BAD_FIELD_TYPE, f"gsm8k field 'answer' is a {type(answer).__name__}, expected text")
+    answer = reference_text(record.get("answer"))
     if answer:
         messages.append(make_message("assistant", answer, "answer"))
     return finalize(messages, None, row, record)

@@ -27,6 +27,7 @@ from eagle_assets.formats.conversation import (
 )
 
 NAME = "messages"
+SIGNATURE_KEYS = ("messages", "conversation")
 _KEYS = ("messages", "conversations", "conversation")
 
 

@@ -11,9 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from eagle_assets.formats.conversation import BAD_FIELD_TYPE, Conversation, RecordError, finalize, make_message, require
+from eagle_assets.formats.conversation import (
+    BAD_FIELD_TYPE,
+    Conversation,
+    RecordError,
+    finalize,
+    make_message,
+    reference_text,
+    require,
+)
 
 NAME = "mtbench"
+SIGNATURE_KEYS = ("turns",)
 
 
 def matches(record: Any) -> bool:
@@ -30,7 +39,8 @@ def parse(record: Any, row: int) -> Conversation:
         if not isinstance(t, str):
             raise RecordError(BAD_FIELD_TYPE, f"mtbench turns[{i}] is a {type(t).__name__}, expected text")
     refs = record.get("reference")
-    usable = isinstance(refs, list) and len(refs) >= len(turns) - 1 and all(isinstance(r, str) for r in refs)
+    refs = [reference_text(r) for r in refs] if isinstance(refs, list) else []
+    usable = len(refs) >= len(turns) - 1 and all(r is not None for r in refs[: len(turns) - 1])
     messages: list[dict[str, Any]] = [{"role": "user", "content": turns[0]}]
     if usable:
         for i in range(1, len(turns)):

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from eagle_assets.formats.conversation import BAD_FIELD_TYPE, Conversation, RecordError, finalize, make_message, require
+from eagle_assets.formats.conversation import Conversation, finalize, make_message, reference_text, require
 
 NAME = "opencodeinstruct"
+SIGNATURE_KEYS = ("input",)
 
 
 def matches(record: Any) -> bool:
@@ -23,9 +24,7 @@ def parse(record: Any, row: int) -> Conversation:
     """One OpenCodeInstruct record -> Conversation; raises RecordError (see conversation.REJECT_REASONS)."""
     prompt = require(record, "input", str, "opencodeinstruct")
     messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
-    output = record.get("output")
-    if output is not None and not isinstance(output, str):
-        raise RecordError(BAD_FIELD_TYPE, f"opencodeinstruct field 'output' is a {type(output).__name__}, expected text")
+    output = reference_text(record.get("output"))  # a reference only: never a reason to reject
     if output:
         messages.append(make_message("assistant", output, "output"))
     return finalize(messages, None, row, record)

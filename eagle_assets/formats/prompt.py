@@ -17,10 +17,13 @@ def sample_id(partition_key: str, source_record: Any) -> str:
     JSON of the record (sorted keys, compact separators, UTF-8)).
 
     Identical records in one partition share an id on purpose: they would produce identical prompts, so the
-    pipeline keeps one. Independent of file position, so reordering or appending to a source keeps ids.
+    pipeline keeps one. Independent of file position, so reordering or appending to a source keeps ids. Text
+    that is not valid Unicode (a lone surrogate) is hashed by its code points (``surrogatepass``), so such a
+    record still has an id; valid text hashes exactly as plain UTF-8.
     """
     canonical = json.dumps(source_record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
-    digest = hashlib.sha256(partition_key.encode("utf-8") + b"\x00" + canonical.encode("utf-8"))
+    digest = hashlib.sha256(partition_key.encode("utf-8", "surrogatepass") + b"\x00"
+                            + canonical.encode("utf-8", "surrogatepass"))
     return digest.hexdigest()[:16]
 
 

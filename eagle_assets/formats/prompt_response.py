@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from eagle_assets.formats.conversation import BAD_FIELD_TYPE, Conversation, RecordError, finalize, make_message, require
+from eagle_assets.formats.conversation import Conversation, finalize, make_message, reference_text, require
 
 NAME = "prompt_response"
+SIGNATURE_KEYS = ("prompt",)
 _REPLY_KEYS = ("response", "completion", "chosen", "canonical_solution")
 
 
@@ -30,12 +31,8 @@ def parse(record: Any, row: int) -> Conversation:
         messages.append({"role": "system", "content": system})
     messages.append({"role": "user", "content": prompt})
     for key in _REPLY_KEYS:
-        reply = record.get(key)
-        if reply is None:
-            continue
-        if not isinstance(reply, str):
-            raise RecordError(BAD_FIELD_TYPE, f"prompt_response field {key!r} is a {type(reply).__name__}, expected text")
+        reply = reference_text(record.get(key))  # a reference only: a malformed one is skipped, never a reject
         if reply:
             messages.append(make_message("assistant", reply, key))
-        break
+            break
     return finalize(messages, None, row, record)

@@ -29,6 +29,7 @@ from eagle_assets.formats.conversation import (
 )
 
 NAME = "sharegpt"
+SIGNATURE_KEYS = ("conversations",)
 _TURN_KEYS = ("conversations", "conversation")
 
 

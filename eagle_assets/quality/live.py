@@ -1,7 +1,8 @@
 """Live quality of a partition while it generates: running figures, early alarms and the fail-fast decision.
 
 ``LiveQualityMonitor`` is fed one generated row at a time (the dict written to a generations shard). Each row is
-segmented exactly as the ``qc_shards`` asset does it (``segment_row``), so the running figures are the figures the
+segmented exactly as the ``qc_shards`` asset does it (the same ``quality.segment.segment_row`` call, with the same
+prompt facts, vocab size and control ids), so the running figures are the figures the
 blocking ``token_structure`` and ``response_length`` checks will compute at the end, and they are compared with the
 partition's thresholds by the same rules (``quality.thresholds``), only earlier.
 
@@ -31,7 +32,7 @@ from statistics import median
 from typing import Any, Iterable, Mapping, Sequence
 
 from eagle_assets.catalog import LiveSpec
-from eagle_assets.quality.segment import DROP_REASONS, Segmentation, segment_output
+from eagle_assets.quality.segment import DROP_REASONS, Segmentation, segment_row
 from eagle_assets.quality.thresholds import Finding, Outcome, evaluate_response_length, evaluate_token_structure
 
 LEVELS = ("OK", "WARN", "ERROR")
@@ -50,33 +51,20 @@ _HINTS = {
     "empty_answer": "nothing after the reasoning: check the chat template and max_new_tokens",
     "length_mismatch": "completion_tokens disagree with output_ids: check the server version",
     "abort": "the server aborted requests: check its log",
+    "unknown_finish_reason": "replies carry a finish_reason other than stop / length / abort: check the server "
+                             "speaks SGLang's native /generate",
+    "id_out_of_vocab": "output ids outside the target vocab: the server serves another model or tokenizer",
+    "prompt_echo": "output_ids begin with the prompt's tail: this SGLang version echoes the detokenization window; "
+                   "upgrade it",
+    "too_long": "more output ids than max_new_tokens: check the server version",
+    "prompt_tokens_mismatch": "rows were generated from other prompt ids: regenerate the partition (run config "
+                              "regenerate: true) after re-rendering its prompts",
+    "stop_token_mid_output": "a stop id before the end: the model ran past its end of turn; check that the server "
+                             "gets the profile's stop_ids and does not set ignore_eos",
+    "think_end_without_start": "a think-end without an open reasoning block: check the chat template "
+                               "(enable_thinking) or set target.profile.implicit_think_start",
+    "misplaced_think_start": "a think-start inside the output: check the chat template and think_start",
 }
-
-
-def segment_row(
-    row: Mapping[str, Any],
-    profile,
-    *,
-    prompt_opens_think: bool = True,
-    tool_call_in_reasoning: str = "drop",
-    blank_ids: frozenset[int] = frozenset(),
-) -> Segmentation:
-    """Segment one generations row exactly as ``qc_shards`` does.
-
-    Args:
-        row: a generations row (``GENERATION_SCHEMA``): ``output_ids`` (list of int), ``finish_reason`` ("stop",
-            "length", "abort"), ``matched_stop`` (int or None), ``completion_tokens`` (int or None).
-        profile: the target's ``FamilyProfile``.
-        prompt_opens_think: the prompt ends with the think-start id (``tokenized_prompts.prompt_opens_think``).
-        tool_call_in_reasoning: the partition's policy, "drop" or "keep".
-        blank_ids: ids that decode to whitespace only (``assets.qc.blank_token_ids``).
-    Returns: the ``Segmentation``. Raises ``ValueError`` for an unknown policy.
-    """
-    return segment_output(
-        row["output_ids"], row["finish_reason"], profile,
-        matched_stop=row.get("matched_stop"), completion_tokens=row.get("completion_tokens"),
-        prompt_opens_think=prompt_opens_think, tool_call_in_reasoning=tool_call_in_reasoning, blank_ids=blank_ids,
-    )
 
 
 def _as_dict(obj: Any) -> dict[str, Any]:
@@ -190,6 +178,11 @@ class LiveQualityMonitor:
         prompt_opens_think: sample id -> ``prompt_opens_think`` of ``tokenized_prompts``. Rows of ids missing from it
             are from an older prompt set and are skipped, as QC skips them. None = every prompt opens a think block.
         partition: the partition key, for messages.
+        prompt_ids: sample id -> prompt ids (``tokenized_prompts.prompt_ids``), for the prompt-echo and
+            prompt-count rules; None = not checked.
+        vocab_size: the target's vocab size (``target_model.profile.target_vocab_size``); None = not checked.
+        control_ids: the target's special and added token ids (``target_model.render.control_token_ids``); None =
+            unknown.
     Use: ``seed`` earlier runs' rows once, then ``observe`` each new row; when ``report_due()``, call
     ``evaluate()`` and write ``snapshot()``.
     """
@@ -204,6 +197,9 @@ class LiveQualityMonitor:
         tool_call_in_reasoning: str = "drop",
         prompt_opens_think: Mapping[str, bool] | None = None,
         partition: str = "",
+        prompt_ids: Mapping[str, Sequence[int]] | None = None,
+        vocab_size: int | None = None,
+        control_ids: frozenset[int] | None = None,
     ):
         self.profile = profile
         self.thresholds = _as_dict(thresholds)
@@ -212,6 +208,9 @@ class LiveQualityMonitor:
         self.tool_call_in_reasoning = tool_call_in_reasoning
         self.prompt_opens_think = prompt_opens_think
         self.partition = partition
+        self.prompt_ids = prompt_ids
+        self.vocab_size = vocab_size
+        self.control_ids = None if control_ids is None else frozenset(control_ids)
         self.short_tokens = int(self.thresholds.get("short_tokens") or 300)
         # one entry per row, rows of earlier runs first (seed), then this run's rows (observe)
         self._ids: list[str] = []
@@ -273,10 +272,12 @@ class LiveQualityMonitor:
         else:
             opens = True
         seg = segment_row(row, self.profile, prompt_opens_think=bool(opens),
-                          tool_call_in_reasoning=self.tool_call_in_reasoning, blank_ids=self.blank_ids)
+                          prompt_ids=self.prompt_ids.get(sid) if self.prompt_ids is not None else None,
+                          tool_call_in_reasoning=self.tool_call_in_reasoning, blank_ids=self.blank_ids,
+                          vocab_size=self.vocab_size, control_ids=self.control_ids)
         self._ids.append(sid)
-        self._tokens.append(len(row["output_ids"]))
-        self._finish.append(row["finish_reason"])
+        self._tokens.append(len(row.get("output_ids") or ()))
+        self._finish.append(row.get("finish_reason"))
         self._drop.append(seg.drop_reason)
         if seg.kept:
             self._reasoning.append(seg.reasoning_tokens)
@@ -285,7 +286,7 @@ class LiveQualityMonitor:
             self._drop_counts[seg.drop_reason] += 1
             self._remember("dropped", sid)
             self._remember(seg.drop_reason, sid)
-        if row["finish_reason"] == "length":
+        if row.get("finish_reason") == "length":
             self._remember("truncated", sid)
         return seg
 

@@ -1,28 +1,54 @@
 """Split one generation's ``output_ids`` into reasoning, answer and tool-call spans, or name why it is dropped.
 
-The rules follow DESIGN.md section 3: the training row is ``prompt_ids + output_ids`` exactly as the target model
-produced them; a row is kept only if its structure is whole. Nothing is repaired: a row is either kept, with its
-segment lengths, or dropped with exactly one reason (the first rule it breaks, in the order of ``DROP_REASONS``).
+The rules follow DESIGN.md section 3 and docs/token-structure.md (the per-family table and its sources): the
+training row is ``prompt_ids + output_ids`` exactly as the target model produced them; a row is kept only if its
+structure is whole. Nothing is repaired: a row is either kept, with its segment lengths, or dropped with exactly one
+reason (the first rule it breaks, in the order of ``DROP_REASONS``).
+
+One implementation for every consumer: ``qc_shards`` and the live monitor both call ``segment_row``, and the
+protocol rules (ids in the vocab, counts, prompt echo, cap, matched stop id) are the ones the client applies to
+every reply (``serving.protocol.reply_defect`` / ``stop_mismatch``), so a shard written by any producer (an older
+version, an imported dataset) is held to the same rules as a reply that just arrived. ``segment_output`` is the
+per-row Python reference; a vectorised version must reproduce it row for row.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Collection, Mapping, Sequence
+
+from eagle_assets.serving.protocol import reply_defect, stop_mismatch
 
 # Order matters: a row is dropped for the first reason it meets.
 DROP_REASONS: tuple[str, ...] = (
     "abort",  # the server aborted the request (finish_reason abort, possibly HTTP 200)
+    "unknown_finish_reason",  # finish_reason is none of stop / length / abort (or missing)
+    "id_out_of_vocab",  # an output id outside [0, target vocab size)
     "length_mismatch",  # len(output_ids) != meta_info.completion_tokens
-    "truncated_in_reasoning",  # finish_reason length before the think-end token
-    "truncated_in_answer",  # finish_reason length after the think-end token
+    "prompt_echo",  # output_ids begin with the prompt's tail, counted or not (protocol.prompt_echo_length)
+    "too_long",  # more output ids than the request's max_new_tokens
+    "prompt_tokens_mismatch",  # meta_info.prompt_tokens != len(prompt_ids): generated from another prompt
     "no_stop_token",  # finish_reason stop, but the last id is not one of the model's stop ids
     "stop_mismatch",  # finish_reason stop matched an id other than the last output id
-    "missing_think_end",  # prompt opened a think block; the output never closes it
+    "stop_token_mid_output",  # a stop id before the last output id: the model ran past its end of turn
+    "truncated_in_reasoning",  # finish_reason length before the reasoning closed
+    "truncated_in_answer",  # finish_reason length after the reasoning closed (or with no reasoning block)
+    "missing_think_end",  # the reasoning block is open and the output never closes it
+    "think_end_without_start",  # a think-end but no block open (families without implicit_think_start)
+    "misplaced_think_start",  # a think-start other than the first output id of a prompt that opened no block
     "multiple_think_end",  # more than one think-end token
     "unbalanced_tool_call",  # tool-call start and end markers do not pair up
     "tool_call_in_reasoning",  # a tool-call marker inside the reasoning (dropped under policy "drop")
-    "empty_answer",  # nothing between think-end and the stop token
+    "empty_answer",  # nothing but whitespace between the reasoning and the stop token
+)
+
+# Counted-but-kept observations (``Segmentation.flags``).
+FLAGS: tuple[str, ...] = (
+    "tool_call_in_reasoning",  # policy "keep": a tool-call marker inside the reasoning
+    "tool_call_ended_reasoning",  # the profile's tool_call_ends_reasoning closed the reasoning (Kimi)
+    "implicit_think_start",  # the profile's implicit_think_start opened the reasoning (DeepSeek-R1)
+    "stop_at_length_cap",  # finish_reason length, but the last id is a stop id: the turn ended exactly at the cap
 )
 
 
@@ -30,10 +56,11 @@ DROP_REASONS: tuple[str, ...] = (
 class Segmentation:
     """Result of segmenting one output.
 
-    Attributes: token counts (ints, units: tokens) of the reasoning span (before think-end, excluding it), the
-    answer span (after think-end, excluding the stop token, including tool-call spans), and the tool-call spans
-    (markers included); ``drop_reason`` is None for a kept row, else one of ``DROP_REASONS``; ``flags`` holds
-    counted-but-kept observations (e.g. ``tool_call_in_reasoning`` under policy "keep").
+    Attributes: token counts (ints, units: tokens) of the reasoning span (the ids between the opening of the block
+    and its end, markers excluded), the answer span (after the think-end, or from the tool-call start that closed
+    the reasoning, excluding the final stop id; tool-call spans included), and the tool-call spans (markers
+    included, outermost pair); ``n_tool_calls`` counts the innermost pair's spans (one per call);
+    ``drop_reason`` is None for a kept row, else one of ``DROP_REASONS``; ``flags`` holds ``FLAGS`` seen on the row.
     """
 
     reasoning_tokens: int
@@ -48,27 +75,40 @@ class Segmentation:
         return self.drop_reason is None
 
 
-def _tool_spans(ids: Sequence[int], starts: frozenset[int], ends: frozenset[int]) -> tuple[int, int, bool]:
-    """(tokens inside tool-call spans incl. markers, number of spans, balanced?) for ``ids``."""
-    depth, span_tokens, n_spans, span_start = 0, 0, 0, 0
-    for i, tok in enumerate(ids):
-        if tok in starts:
-            if depth == 0:
-                span_start = i
-            depth += 1
-        elif tok in ends:
-            if depth == 0:
-                return span_tokens, n_spans, False
-            depth -= 1
-            if depth == 0:
-                span_tokens += i - span_start + 1
-                n_spans += 1
-    return span_tokens, n_spans, depth == 0
+def _tool_spans(ids: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> tuple[int, int, bool]:
+    """(tokens inside outermost tool-call spans incl. markers, spans of the innermost pair, balanced?).
+
+    ``starts[i]`` opens what ``ends[i]`` closes. Balanced means every end closes the most recently opened pair of
+    its own kind, no pair is opened inside an open pair of the same kind, and nothing is left open.
+    """
+    start_of = {t: i for i, t in enumerate(starts)}
+    end_of = {t: i for i, t in enumerate(ends) if t not in start_of}
+    innermost = len(starts) - 1
+    stack: list[tuple[int, int]] = []  # (pair index, position)
+    span_tokens = n_calls = 0
+    for pos, tok in enumerate(ids):
+        pair = start_of.get(tok)
+        if pair is not None:
+            if any(open_pair == pair for open_pair, _ in stack):
+                return span_tokens, n_calls, False
+            stack.append((pair, pos))
+            continue
+        pair = end_of.get(tok)
+        if pair is None:
+            continue
+        if not stack or stack[-1][0] != pair:
+            return span_tokens, n_calls, False
+        _, opened_at = stack.pop()
+        if pair == innermost:
+            n_calls += 1
+        if not stack:
+            span_tokens += pos - opened_at + 1
+    return span_tokens, n_calls, not stack
 
 
 def segment_output(
-    output_ids: Sequence[int],
-    finish_reason: str,
+    output_ids: Sequence[int] | None,
+    finish_reason: str | None,
     profile,
     *,
     matched_stop: int | None = None,
@@ -76,76 +116,167 @@ def segment_output(
     prompt_opens_think: bool = True,
     tool_call_in_reasoning: str = "drop",
     blank_ids: frozenset[int] = frozenset(),
+    prompt_ids: Sequence[int] | None = None,
+    prompt_tokens: int | None = None,
+    vocab_size: int | None = None,
+    control_ids: Collection[int] | None = None,
+    max_new_tokens: int | None = None,
 ) -> Segmentation:
     """Segment ``output_ids`` (ints, the target's raw completion incl. its final stop id) by ``profile``.
 
     Args:
-        output_ids: SGLang ``output_ids`` of one request (list of int).
+        output_ids: SGLang ``output_ids`` of one request (list of int; None counts as empty).
         finish_reason: ``meta_info.finish_reason.type``: "stop", "length" or "abort".
-        profile: a ``FamilyProfile`` (think start/end ids, tool-call marker ids, stop ids).
+        profile: a ``FamilyProfile`` (think start/end ids, tool-call marker ids, stop ids, reasoning rules).
         matched_stop: ``finish_reason.matched`` when it is a token id.
-        completion_tokens: ``meta_info.completion_tokens``; checked against ``len(output_ids)``.
-        prompt_opens_think: the prompt ends with the think-start token (Kimi-K2.5, DeepSeek-R1, the demo target),
-            so the output must close the block. If False, a think block is optional and must start the output.
+        completion_tokens: ``meta_info.completion_tokens``; checked against ``len(output_ids)`` (None = unknown).
+        prompt_opens_think: the prompt opened a reasoning block (``tokenized_prompts.prompt_opens_think``, decided
+            by ``target_model.render.opens_think_block``), so the output must close it. If False, a block is
+            optional and, when present, starts at the first output id (or, with the profile's
+            ``implicit_think_start``, is everything before the first think-end).
         tool_call_in_reasoning: "drop" (default) or "keep" (kept and flagged).
         blank_ids: ids that decode to whitespace only; an answer made only of them counts as empty.
+        prompt_ids: the request's ``input_ids``, for the prompt-echo rule (None = not checked).
+        prompt_tokens: ``meta_info.prompt_tokens``; checked against ``len(prompt_ids)`` (None = not checked).
+        vocab_size: every id must lie in ``[0, vocab_size)`` (``target_model.profile.target_vocab_size``).
+        control_ids: the target's special and added token ids (``target_model.render.control_token_ids``), the
+            evidence for an echo the server counted in ``completion_tokens`` (None = unknown:
+            ``protocol.prompt_echo_length`` then takes 3 or more ids repeating the prompt's end as the evidence).
+        max_new_tokens: the request's cap (from the row's ``sampling_params``); None = not checked.
     Returns: a ``Segmentation``; never raises for malformed outputs (that is what drop reasons are for).
     Raises: ``ValueError`` for an unknown ``tool_call_in_reasoning`` policy.
     """
     if tool_call_in_reasoning not in ("drop", "keep"):
         raise ValueError(f"tool_call_in_reasoning must be 'drop' or 'keep', got {tool_call_in_reasoning!r}")
-    ids = list(output_ids)
+    ids = list(output_ids or ())
     stop_ids = frozenset(profile.stop_ids)
-    starts = frozenset(profile.tool_call_start_ids)
-    ends = frozenset(profile.tool_call_end_ids)
-    think_end = profile.think_end_id
-    think_start = profile.think_start_id
+    starts, ends = tuple(profile.tool_call_start_ids), tuple(profile.tool_call_end_ids)
+    markers = frozenset(starts) | frozenset(ends)
+    think_start, think_end = profile.think_start_id, profile.think_end_id
+    flags: list[str] = []
 
     def drop(reason: str, reasoning: int = 0, answer: int = 0) -> Segmentation:
-        return Segmentation(reasoning, answer, 0, 0, reason)
+        return Segmentation(reasoning, answer, 0, 0, reason, tuple(flags))
 
+    # -- the protocol rules, shared with the client
     if finish_reason == "abort":
         return drop("abort")
-    if completion_tokens is not None and completion_tokens != len(ids):
-        return drop("length_mismatch")
+    if finish_reason not in ("stop", "length"):
+        return drop("unknown_finish_reason")
+    defect = reply_defect(ids, completion_tokens=completion_tokens, prompt_ids=prompt_ids, vocab_size=vocab_size,
+                          max_new_tokens=max_new_tokens, control_ids=control_ids)
+    if defect is not None:
+        return drop(defect.kind)
+    if prompt_ids is not None and prompt_tokens is not None and prompt_tokens != len(prompt_ids):
+        return drop("prompt_tokens_mismatch")
 
-    body = ids
+    # -- where the turn ends
     if finish_reason == "stop":
         if not ids or ids[-1] not in stop_ids:
             return drop("no_stop_token")
-        if matched_stop is not None and matched_stop != ids[-1]:
+        if stop_mismatch(ids, matched_stop):
             return drop("stop_mismatch")
-        body = ids[:-1]
-    elif finish_reason != "length":
-        return drop("abort")
-
-    opens_think = prompt_opens_think and think_end is not None
-    if not opens_think and think_start is not None and body[:1] == [think_start]:
-        opens_think, body = True, body[1:]
-    if opens_think:
-        n_end = sum(1 for t in body if t == think_end)
-        if n_end == 0:
-            reason = "truncated_in_reasoning" if finish_reason == "length" else "missing_think_end"
-            return drop(reason, reasoning=len(body))
-        cut = body.index(think_end)
-        reasoning, answer = body[:cut], body[cut + 1 :]
-        if finish_reason == "length":
-            return drop("truncated_in_answer", len(reasoning), len(answer))
-        if n_end > 1:
-            return drop("multiple_think_end", len(reasoning), len(answer))
+        complete = True
     else:
-        if finish_reason == "length":
-            return drop("truncated_in_answer", 0, len(body))
-        reasoning, answer = [], body
+        # SGLang tests the length cap before the stop ids, so a stop id sampled exactly at the cap reports
+        # "length": that turn is whole.
+        complete = bool(ids) and ids[-1] in stop_ids
+        if complete:
+            flags.append("stop_at_length_cap")
+    body = ids[:-1] if complete else ids
+    if any(t in stop_ids for t in body):
+        return drop("stop_token_mid_output")
 
+    # -- the reasoning block: where it opens and where it ends (no decisions yet)
+    has_think = think_start is not None and think_end is not None
+    opens = has_think and prompt_opens_think
+    if has_think and not opens and body[:1] == [think_start]:
+        opens, body = True, body[1:]
+    n_end = sum(1 for t in body if t == think_end) if has_think else 0
+    if has_think and not opens and n_end and profile.implicit_think_start:
+        opens = True
+        flags.append("implicit_think_start")
+    unclosed = False
+    if not opens:
+        reasoning, answer = [], body
+    elif n_end:
+        cut = body.index(think_end)
+        reasoning, answer = body[:cut], body[cut + 1:]
+    elif profile.tool_call_ends_reasoning and starts and starts[0] in body:
+        cut = body.index(starts[0])  # the section start belongs to the answer
+        reasoning, answer = body[:cut], body[cut:]
+        flags.append("tool_call_ended_reasoning")
+    else:
+        reasoning, answer, unclosed = body, [], True
+
+    # -- the structural rules, in DROP_REASONS order
+    if not complete:
+        if unclosed:
+            return drop("truncated_in_reasoning", len(reasoning))
+        return drop("truncated_in_answer", len(reasoning), len(answer))
+    if unclosed:
+        return drop("missing_think_end", len(reasoning))
+    if n_end and not opens:
+        return drop("think_end_without_start", 0, len(answer))
+    if has_think and think_start in body:
+        return drop("misplaced_think_start", len(reasoning), len(answer))
+    if n_end > 1:
+        return drop("multiple_think_end", len(reasoning), len(answer))
     tool_tokens, n_calls, balanced = _tool_spans(answer, starts, ends)
     if not balanced:
         return drop("unbalanced_tool_call", len(reasoning), len(answer))
-    flags: list[str] = []
-    if any(t in starts or t in ends for t in reasoning):
+    if any(t in markers for t in reasoning):
         if tool_call_in_reasoning == "drop":
             return drop("tool_call_in_reasoning", len(reasoning), len(answer))
         flags.append("tool_call_in_reasoning")
     if all(t in blank_ids for t in answer):
         return drop("empty_answer", len(reasoning), 0)
     return Segmentation(len(reasoning), len(answer), tool_tokens, n_calls, None, tuple(flags))
+
+
+def row_max_new_tokens(row: Mapping[str, Any]) -> int | None:
+    """``max_new_tokens`` of the request that produced a generations row (its ``sampling_params`` JSON), or None
+    when the row does not say (an imported dataset, a malformed value)."""
+    raw = row.get("sampling_params")
+    if not raw:
+        return None
+    try:
+        value = (json.loads(raw) if isinstance(raw, (str, bytes)) else dict(raw)).get("max_new_tokens")
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def segment_row(
+    row: Mapping[str, Any],
+    profile,
+    *,
+    prompt_opens_think: bool = True,
+    prompt_ids: Sequence[int] | None = None,
+    tool_call_in_reasoning: str = "drop",
+    blank_ids: frozenset[int] = frozenset(),
+    vocab_size: int | None = None,
+    control_ids: Collection[int] | None = None,
+) -> Segmentation:
+    """Segment one generations row: the one call ``qc_shards`` and the live monitor both make.
+
+    Args:
+        row: a generations row (``generation.GENERATION_SCHEMA``): ``output_ids`` (list of int), ``finish_reason``
+            ("stop", "length", "abort"), and when present ``matched_stop``, ``completion_tokens``,
+            ``prompt_tokens`` and ``sampling_params`` (JSON; its ``max_new_tokens`` is the cap). Missing columns
+            (shards of another producer) skip their rule, never crash.
+        profile: the target's ``FamilyProfile``.
+        prompt_opens_think: ``tokenized_prompts.prompt_opens_think`` of the row's prompt.
+        prompt_ids: the row's prompt ids (``tokenized_prompts.prompt_ids``), for the echo and prompt-count rules.
+        tool_call_in_reasoning, blank_ids, vocab_size, control_ids: as in ``segment_output``.
+    Returns: the ``Segmentation``. Raises ``ValueError`` for an unknown policy.
+    """
+    matched = row.get("matched_stop")
+    return segment_output(
+        row.get("output_ids"), row.get("finish_reason"), profile,
+        matched_stop=matched if isinstance(matched, int) else None,
+        completion_tokens=row.get("completion_tokens"),
+        prompt_opens_think=prompt_opens_think, tool_call_in_reasoning=tool_call_in_reasoning, blank_ids=blank_ids,
+        prompt_ids=prompt_ids, prompt_tokens=row.get("prompt_tokens"), vocab_size=vocab_size,
+        control_ids=control_ids, max_new_tokens=row_max_new_tokens(row),
+    )

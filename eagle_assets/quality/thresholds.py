@@ -38,7 +38,11 @@ class Outcome:
     def description(self) -> str:
         if not self.findings:
             return "all figures within thresholds"
-        return "; ".join(f.message() for f in self.findings)
+        text = "; ".join(f.message() for f in self.findings)
+        if self.figures.get("count") == 0:  # say it in words: "count = 0" alone reads like a broken check
+            return ("the partition is empty: no generated rows to check (see raw_prompts' prompts_available check "
+                    "and its rejects.parquet); " + text)
+        return text
 
 
 def _get(thresholds: Any, name: str, default: float | None) -> float | None:

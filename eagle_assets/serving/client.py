@@ -10,7 +10,7 @@ by ``parse_reply``). Transport choices and why:
   parsed once, in ``parse_reply``.
 - Retried (exponential backoff with jitter, ``Retry-After`` honoured): connection errors, timeouts, HTTP 408/429/5xx,
   and replies that fail validation (bad or truncated JSON, ``completion_tokens`` disagreeing with ``output_ids``,
-  ``finish_reason`` abort, ...). Not retried: HTTP 400/422 (the request is invalid), 401/403 (API key), 404 (wrong
+  a prompt echo in ``output_ids`` whether counted or not, ``finish_reason`` abort, ...). Not retried: HTTP 400/422 (the request is invalid), 401/403 (API key), 404 (wrong
   URL), aborts carrying a 4xx status. A retry prefers another server when there are several.
 - Server choice: least requests in flight, servers that just failed are avoided for a short cool-down, ties go round
   robin. A single ``sglang-router`` URL works the same way.
@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from numbers import Integral
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 import aiohttp
 
@@ -235,6 +235,7 @@ class GenerateClient:
         sampling: SamplingParams,
         vocab_size: int | None = None,
         on_result: OnResult | None = None,
+        control_ids: Collection[int] | None = None,
     ) -> ClientStats:
         """Generate every item; call ``on_result(rid, GenerateReply | GenerateFailure)`` as each one finishes.
 
@@ -245,6 +246,11 @@ class GenerateClient:
             vocab_size: target vocab size for validating ids (input and output); None skips the range check.
             on_result: sync or async callable; results arrive in completion order, not input order. An exception it
                 raises cancels the remaining work and propagates.
+            control_ids: the target's special and added token ids (``target_model.render.control_token_ids``);
+                with them a prompt echo is found even when the server counts it in ``completion_tokens``
+                (``protocol.prompt_echo_length``); None = unknown (then 3 or more ids repeating the prompt's end
+                are the evidence). An echo is retried like every invalid reply, then recorded as a ``prompt_echo``
+                failure.
         Returns:
             ``ClientStats`` (also kept as ``self.last_stats``).
         Invalid items (empty ids, non-int or out-of-vocab ids) become ``GenerateFailure(kind="bad_input",
@@ -265,6 +271,7 @@ class GenerateClient:
             return hit[1]
 
         sampling_bytes(sampling)
+        control = None if control_ids is None else frozenset(control_ids)
         iterator = iter(items)
 
         async def worker(session: aiohttp.ClientSession) -> None:
@@ -287,7 +294,7 @@ class GenerateClient:
                     rid, ids = str(item[0]), item[1]
                     sp = item[2] if len(item) > 2 and item[2] is not None else sampling
                     result = await self._generate_one(session, servers, rid, ids, sp, sampling_bytes(sp),
-                                                      vocab_size, stats)
+                                                      vocab_size, stats, control)
                 if isinstance(result, GenerateReply):
                     stats.succeeded += 1
                     stats.latencies_s.append(result.latency_s)
@@ -314,7 +321,8 @@ class GenerateClient:
         return stats
 
     def generate_all(
-        self, items: Iterable[tuple], sampling: SamplingParams, vocab_size: int | None = None
+        self, items: Iterable[tuple], sampling: SamplingParams, vocab_size: int | None = None,
+        control_ids: Collection[int] | None = None,
     ) -> list[Result]:
         """Synchronous ``generate_many``: returns one result per item, in input order.
 
@@ -333,7 +341,7 @@ class GenerateClient:
         def on_result(rid: str, result: Result) -> None:
             results[position[rid]] = result
 
-        run_sync(self.generate_many(items, sampling, vocab_size, on_result))
+        run_sync(self.generate_many(items, sampling, vocab_size, on_result, control_ids))
         return results  # type: ignore[return-value]
 
     # ------------------------------------------------------------------------------------------------ internals
@@ -387,6 +395,7 @@ class GenerateClient:
         sp_bytes: bytes,
         vocab_size: int | None,
         stats: ClientStats,
+        control_ids: frozenset[int] | None = None,
     ) -> Result:
         started = time.monotonic()
         ids, problem = self._check_input(ids, vocab_size)
@@ -420,7 +429,8 @@ class GenerateClient:
             else:
                 if status == 200:
                     try:
-                        reply = parse_reply(raw, ids, vocab_size, max_new_tokens=sp.max_new_tokens, rid=rid)
+                        reply = parse_reply(raw, ids, vocab_size, max_new_tokens=sp.max_new_tokens, rid=rid,
+                                            control_ids=control_ids)
                     except ReplyError as exc:
                         last = _Attempt(exc.kind, f"{server.url}: {exc.detail}", exc.retryable,
                                         server_fault=exc.kind == "abort")

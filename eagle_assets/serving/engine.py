@@ -19,6 +19,15 @@ the matched id stays in ``output_ids``.
 
 Caches whose layers are not plain ``DynamicLayer`` (sliding-window or linear-attention models) cannot be padded and
 merged safely, so those models run in static mode: a batch is admitted only when the previous one has finished.
+
+Hidden states and logprobs (SGLang's ``return_hidden_states`` / ``return_logprob``): with ``hidden_states`` set the
+engine records, for requests that ask, one row per fed token: the whole prompt at prefill (one ``[T, W]`` block;
+padding removed) and the fed token at each decode step, as SGLang's scheduler does
+(``scheduler_components/batch_result_processor.py``). ``W`` is ``k * H`` for aux capture (the inputs of the capture
+layers, :class:`~eagle_assets.serving.aux_capture.HiddenStateTap`) or ``H`` for the final-normed state. Input
+logprobs come from the final-normed prompt states through the lm_head, computed only for the asked positions.
+A ``prefill_only`` request (SGLang's ``max_new_tokens: 0``) runs its prefill and finishes with
+``{"type": "length", "length": 0}`` and no output ids.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from eagle_assets.serving.aux_capture import AuxCaptureError, HiddenStateTap
 from eagle_assets.serving.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -52,6 +62,12 @@ class EngineRequest:
         on_done: called once, FROM THE ENGINE THREAD, with the ``EngineResult``; not called if ``cancelled``.
         arrival: ``time.monotonic()`` at arrival, for ``e2e_latency``.
         cancelled: set (from any thread) when nobody waits for the result any more; the row is dropped.
+        hidden: ``"full"`` (every fed token's row), ``"last"`` (only the latest) or None: SGLang's
+            ``return_hidden_states`` True / ``"last"`` / False. Needs an engine built with ``hidden_states``.
+        prefill_only: run the prefill only (SGLang's ``max_new_tokens: 0``); ``params.max_new_tokens`` is ignored.
+        logprob_start: absolute prompt position input logprobs start at (SGLang's resolved ``logprob_start_len``;
+            ``len(input_ids)`` = output logprobs only), or None for no logprobs at all.
+        top_logprobs: top-k entries per logprob position (SGLang's ``top_logprobs_num``; 0 = none).
     """
 
     rid: str
@@ -60,11 +76,24 @@ class EngineRequest:
     on_done: Callable[["EngineResult"], None]
     arrival: float = field(default_factory=time.monotonic)
     cancelled: bool = False
+    hidden: str | None = None
+    prefill_only: bool = False
+    logprob_start: int | None = None
+    top_logprobs: int = 0
 
 
 @dataclass
 class EngineResult:
-    """Outcome of one ``EngineRequest``; ``finish_reason`` is SGLang's dict form (stop / length / abort)."""
+    """Outcome of one ``EngineRequest``; ``finish_reason`` is SGLang's dict form (stop / length / abort).
+
+    Attributes (only for requests that asked for them; CPU tensors in the model's dtype):
+        hidden_blocks: ``[prompt block [T, W], then one [W] row per decode step]`` (``"full"``), or the single
+            latest row (``"last"``).
+        input_logprobs: ``[T - s]`` logprob of prompt token ``s + i`` given the tokens before it; entry 0 is NaN
+            (SGLang sends None there). ``input_top``: ``(values [T - s, k], ids [T - s, k])``, row 0 unused.
+        output_logprobs / output_top: per output token, its logprob (log_softmax of the raw logits) and the
+            top-k ``(values [k], ids [k])`` of that position.
+    """
 
     rid: str
     output_ids: list[int]
@@ -72,6 +101,11 @@ class EngineResult:
     prompt_tokens: int
     completion_tokens: int
     e2e_latency: float
+    hidden_blocks: list[torch.Tensor] | None = None
+    input_logprobs: torch.Tensor | None = None
+    input_top: tuple[torch.Tensor, torch.Tensor] | None = None
+    output_logprobs: list[float] | None = None
+    output_top: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -103,13 +137,21 @@ class EngineStats:
 class _Row:
     """A running sequence: its request, generated ids and, for sampled requests, its own RNG."""
 
-    __slots__ = ("req", "output", "next_token", "stop_ids", "generator", "greedy", "done")
+    __slots__ = ("req", "output", "next_token", "stop_ids", "generator", "greedy", "done", "hidden", "in_lp",
+                 "in_top", "out_lp", "out_top")
 
     def __init__(self, req: EngineRequest, eos_ids: frozenset[int], seed_source: torch.Generator):
         self.req = req
         self.output: list[int] = []
         self.next_token = -1
         self.done = False
+        self.hidden: list[torch.Tensor] | None = [] if req.hidden else None
+        self.in_lp: torch.Tensor | None = None
+        self.in_top: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.out_lp: list[float] | None = [] if req.logprob_start is not None else None
+        self.out_top: list[tuple[torch.Tensor, torch.Tensor]] | None = (
+            [] if req.logprob_start is not None and req.top_logprobs > 0 else None
+        )
         p = req.params
         self.stop_ids = frozenset() if p.ignore_eos else eos_ids | frozenset(p.stop_token_ids)
         self.greedy = p.greedy
@@ -135,6 +177,25 @@ class _Row:
             x = torch.full_like(x, -math.inf).scatter(0, order, sorted_x)
         probs = torch.softmax(x, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def record_hidden(self, rows: torch.Tensor) -> None:
+        """Keep the hidden-state rows of this forward: ``[n, W]`` at prefill, ``[W]`` at a decode step."""
+        if self.hidden is None:
+            return
+        rows = rows.detach().to("cpu").clone()
+        if self.req.hidden == "last":
+            self.hidden[:] = [rows[-1] if rows.dim() == 2 else rows]
+        else:
+            self.hidden.append(rows)
+
+    def record_output_logprob(self, logprobs: torch.Tensor, token: int) -> None:
+        """Logprob (and top-k) of the token just sampled from this position's ``[V]`` log-softmax."""
+        if self.out_lp is None:
+            return
+        self.out_lp.append(float(logprobs[token]))
+        if self.out_top is not None:
+            vals, ids = torch.topk(logprobs, min(self.req.top_logprobs, logprobs.shape[-1]))
+            self.out_top.append((vals.cpu(), ids.cpu()))
 
     def push(self, token: int) -> dict[str, Any] | None:
         """Append a token; return the finish reason dict when the row is done (SGLang's order of checks)."""
@@ -223,8 +284,17 @@ class DecodeEngine:
         batch_wait_s: when idle, how long to wait after the first arrival for more requests to batch with it.
         max_prefill_tokens: padded tokens (rows x longest prompt) per prefill forward; larger groups are split.
         seed: seeds the source of per-request seeds for sampled requests without their own seed.
+        hidden_states: what a request's ``hidden`` rows hold: ``"aux"`` (the inputs of ``capture_ids``,
+            concatenated; SGLang's ``--enable-return-aux-hidden-states``), ``"final"`` (the final-normed state;
+            ``--enable-return-hidden-states``) or None (requests may not ask).
+        capture_ids: ascending capture ids for ``"aux"`` (:func:`~eagle_assets.serving.aux_capture.
+            capture_ids_from_flag`).
 
     Use ``start()``, ``submit()`` from any thread, ``stop()``; ``stats`` is readable at any time.
+
+    Raises:
+        ValueError: bad sizes, ``hidden_states="aux"`` without capture ids, or a model the hooks cannot find the
+            layers of.
     """
 
     def __init__(
@@ -236,6 +306,8 @@ class DecodeEngine:
         batch_wait_s: float = 0.005,
         max_prefill_tokens: int = 16384,
         seed: int | None = None,
+        hidden_states: str | None = None,
+        capture_ids: Sequence[int] = (),
     ):
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicLayer
@@ -264,6 +336,20 @@ class DecodeEngine:
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [B, L] int64, 1 = real token
         self._next_pos: torch.Tensor | None = None  # [B] int64, position of each row's next fed token
+        if hidden_states not in (None, "aux", "final"):
+            raise ValueError(f"hidden_states must be None, 'aux' or 'final', got {hidden_states!r}")
+        if hidden_states == "aux" and not capture_ids:
+            raise ValueError("hidden_states='aux' needs capture_ids")
+        self.hidden_states = hidden_states
+        self.capture_ids = [int(c) for c in capture_ids] if hidden_states == "aux" else []
+        self._tap: HiddenStateTap | None = None
+        self._tap_error: str | None = None
+        try:
+            self._tap = HiddenStateTap(model, self.capture_ids)
+        except AuxCaptureError as exc:
+            if hidden_states is not None:
+                raise
+            self._tap_error = str(exc)  # logprob requests are refused with this reason
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -294,6 +380,11 @@ class DecodeEngine:
         if stopped:
             for r in requests:
                 self._finish_abort(r, "server is shutting down", 503)
+
+    @property
+    def recording_error(self) -> str | None:
+        """Why this model's hidden states cannot be recorded (input logprobs need them), or None."""
+        return self._tap_error
 
     @property
     def alive(self) -> bool:
@@ -392,17 +483,31 @@ class DecodeEngine:
         )
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = self._dynamic_cache(config=self.model.config)
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
-        )
+        rows = [_Row(r, self.eos_ids, self._seed_source) for r in requests]
+        tapped = self._tap_on(rows)
+        try:
+            out = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                logits_to_keep=1,
+            )
+        finally:
+            if tapped:
+                self._tap.stop()
         self.stats.forward_calls += 1
         self.stats.prefill_calls += 1
         self.stats.prefill_rows += batch
         self.stats.max_prefill_batch = max(self.stats.max_prefill_batch, batch)
-        rows = [_Row(r, self.eos_ids, self._seed_source) for r in requests]
-        tokens = self._sample(out.logits[:, -1, :], rows)
+        last_logits = out.logits[:, -1, :]
+        if tapped:
+            self._record_prefill(rows, ids, width, last_logits)
+        tokens = self._sample(last_logits, rows)
         keep: list[int] = []
         for i, (row, token) in enumerate(zip(rows, tokens)):
+            if row.req.prefill_only:
+                self._finish(row, {"type": "length", "length": 0})
+                continue
+            if row.out_lp is not None:
+                row.record_output_logprob(torch.log_softmax(last_logits[i].double(), dim=-1), token)
             finish = row.push(token)
             if finish is not None:
                 self._finish(row, finish)
@@ -419,6 +524,51 @@ class DecodeEngine:
             mask = mask[index]
         next_pos = torch.tensor([len(rows[i].req.input_ids) for i in keep], device=self.device)
         self._merge(cache, mask, next_pos, [rows[i] for i in keep])
+
+    def _tap_on(self, rows: list[_Row]) -> bool:
+        """Start recording this forward's hidden states when a row needs them (hidden rows or input logprobs)."""
+        need = any(r.hidden is not None or (r.req.logprob_start is not None
+                                            and r.req.logprob_start < len(r.req.input_ids)) for r in rows)
+        if need and self._tap is None:
+            raise RuntimeError(f"this model's hidden states cannot be recorded: {self._tap_error}")
+        if need:
+            self._tap.start()
+        return need
+
+    def _record_prefill(self, rows: list[_Row], ids: torch.Tensor, width: int, last_logits: torch.Tensor) -> None:
+        """Per row: its prompt block of hidden states and its input logprobs, padding columns dropped."""
+        tap = self._tap
+        hidden = None
+        if any(r.hidden is not None for r in rows):
+            hidden = tap.aux() if self.hidden_states == "aux" else tap.final
+        head = tap.lm_head
+        for b, row in enumerate(rows):
+            n = len(row.req.input_ids)
+            first = width - n
+            if row.hidden is not None:
+                row.record_hidden(hidden[b, first:])
+            start = row.req.logprob_start
+            if start is None or start >= n:
+                continue
+            # logits of positions start .. n-2 predict prompt tokens start+1 .. n-1; the last position's logits
+            # (already computed) are the output token's
+            states = tap.final[b, first + start: width - 1]
+            k = row.req.top_logprobs
+            count = n - start
+            lp = torch.full((count,), float("nan"), dtype=torch.float64)
+            top_v = torch.full((count, k), float("nan"), dtype=torch.float64) if k else None
+            top_i = torch.zeros((count, k), dtype=torch.long) if k else None
+            nxt = ids[b, first + start + 1:].to("cpu")
+            for c0 in range(0, states.shape[0], 1024):  # bounds the [chunk, V] logits buffer
+                chunk = torch.log_softmax(head(states[c0:c0 + 1024]).double(), dim=-1).cpu()
+                lp[1 + c0: 1 + c0 + chunk.shape[0]] = chunk.gather(1, nxt[c0:c0 + chunk.shape[0], None])[:, 0]
+                if k:
+                    v, i = torch.topk(chunk, min(k, chunk.shape[-1]), dim=-1)
+                    top_v[1 + c0: 1 + c0 + chunk.shape[0], : v.shape[1]] = v
+                    top_i[1 + c0: 1 + c0 + chunk.shape[0], : i.shape[1]] = i
+            row.in_lp = lp
+            row.in_top = (top_v, top_i) if k else None
+        tap.clear()
 
     def _merge(self, cache: Any, mask: torch.Tensor, next_pos: torch.Tensor, rows: list[_Row]) -> None:
         if not self._rows:
@@ -439,13 +589,23 @@ class DecodeEngine:
         batch = len(rows)
         feed = torch.tensor([[row.next_token] for row in rows], device=self.device)
         self._mask = torch.cat([self._mask, self._mask.new_ones((batch, 1))], dim=1)
-        out = self.model(
-            input_ids=feed,
-            attention_mask=self._mask,
-            position_ids=self._next_pos[:, None],
-            cache=self._cache,
-            use_cache=True,
-        )
+        tapped = any(r.hidden is not None and not r.done for r in rows)
+        if tapped:
+            self._tap.start()
+        try:
+            out = self.model(
+                input_ids=feed,
+                attention_mask=self._mask,
+                position_ids=self._next_pos[:, None],
+                cache=self._cache,
+                use_cache=True,
+            )
+        finally:
+            if tapped:
+                self._tap.stop()
+        if tapped:
+            fed = self._tap.aux() if self.hidden_states == "aux" else self._tap.final
+            self._tap.clear()
         self._next_pos = self._next_pos + 1
         self.stats.forward_calls += 1
         self.stats.decode_steps += 1
@@ -460,6 +620,10 @@ class DecodeEngine:
                 row.done = True
                 self.stats.requests_cancelled += 1
                 continue
+            if row.hidden is not None:
+                row.record_hidden(fed[i, -1])
+            if row.out_lp is not None:
+                row.record_output_logprob(torch.log_softmax(out.logits[i, -1].double(), dim=-1), token)
             finish = row.push(token)
             if finish is not None:
                 self._finish(row, finish)
@@ -506,6 +670,11 @@ class DecodeEngine:
                 prompt_tokens=len(req.input_ids),
                 completion_tokens=len(row.output),
                 e2e_latency=time.monotonic() - req.arrival,
+                hidden_blocks=row.hidden,
+                input_logprobs=row.in_lp,
+                input_top=row.in_top,
+                output_logprobs=row.out_lp,
+                output_top=row.out_top,
             )
         )
 

@@ -5,6 +5,10 @@
 - ``sglang``: ``python -m sglang.launch_server --model-path DIR --host H --port P`` (needs a GPU host with
   ``pip install 'eagle-assets[sglang]'``); a free port is chosen first when port is 0, and readiness is
   ``GET /health`` answering 200 (SGLang answers 503 until its warm-up request has run).
+- ``aux_capture`` (served drafter features): both kinds get SGLang's capture-only flags
+  (``--speculative-algorithm EAGLE3 --enable-return-aux-hidden-states [--return-aux-hidden-state-layer-ids ..]``,
+  which our server mirrors); SGLang also ``--disable-radix-cache`` and a ``--chunked-prefill-size`` that holds the
+  longest row (:meth:`eagle_assets.serving.aux_capture.AuxCapture.server_args`).
 
 The child runs in its own process group with stdout and stderr in a log file (its tail is quoted when start-up
 fails), and is stopped with SIGTERM to the group, then SIGKILL. Servers still running when the interpreter exits
@@ -29,6 +33,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
+
+from eagle_assets.serving.aux_capture import AuxCapture
 
 LAUNCH_KINDS = ("embedded", "sglang")
 # printed by eagle_assets.serving.server once it accepts connections, followed by its base URL
@@ -140,6 +146,7 @@ def launch_server(
     api_key_env: str | None = None,
     log_dir: str | Path | None = None,
     python: str = sys.executable,
+    aux_capture: AuxCapture | None = None,
 ) -> LaunchedServer:
     """Start a server for ``model_path`` and return once ``/health`` answers 200.
 
@@ -154,6 +161,8 @@ def launch_server(
             it from its environment; SGLang only takes ``--api-key`` on its command line.
         log_dir: where the log file goes (default: a new temp directory).
         python: interpreter for the child.
+        aux_capture: launch the server in aux-hidden-state capture mode (flags the user already put in
+            ``extra_args`` win).
     Raises:
         ValueError: unknown ``launch``, or ``api_key_env`` set but empty.
         FileNotFoundError: ``model_path`` is a filesystem path (absolute, ``./``, ``~``) that does not exist.
@@ -186,8 +195,11 @@ def launch_server(
         if api_key:
             cmd += ["--api-key", api_key]
             shown += ["--api-key", "***"]
-    cmd += list(extra_args)
-    shown += list(extra_args)
+    extra = list(extra_args)
+    if aux_capture is not None:
+        extra += aux_capture.server_args(launch, extra)
+    cmd += extra
+    shown += extra
     log_path = log_dir / f"{launch}-server-{os.getpid()}-{int(time.time() * 1000)}.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(

@@ -19,9 +19,16 @@ Sources (sgl-project/sglang):
   ``{"type": "abort", "message", "status_code", "err_type"}`` (an abort arrives as HTTP 200).
   ``Req.check_finished`` tests the length cap before stop ids, so a stop id sampled exactly at the cap reports
   ``length``. ``output_ids`` keep the matched stop id (the detokenizer trims it from ``text`` only).
+- Counting convention: ``meta_info.completion_tokens`` is ``len(req.output_ids)`` (``scheduler_output_processor``
+  / ``BatchTokenIDOutput``), so it includes the matched stop id; ``prompt_tokens`` is ``len(origin_input_ids)``.
 - Known traps this module checks for: a missing ``max_new_tokens`` silently means 128 tokens; some SGLang versions
-  return the last few prompt ids (the incremental-detokenization offset, ``INIT_INCREMENTAL_DETOKENIZATION_OFFSET``)
-  in front of ``output_ids``, which shows as ``len(output_ids) > completion_tokens``.
+  return the last few prompt ids (the incremental-detokenization window, ``INIT_INCREMENTAL_DETOKENIZATION_OFFSET =
+  5`` in ``schedule_batch.py``) in front of ``output_ids``, and some of them count those ids in
+  ``completion_tokens`` too, so the counts cannot be the only evidence (``prompt_echo_length``).
+
+The rules a stored row must also pass (ids in the vocab, the counts, the prompt echo, the cap, the matched stop id)
+are implemented once here (``reply_defect``, ``stop_mismatch``) and applied by ``parse_reply`` to every reply and
+by ``quality.segment.segment_output`` to every row of a generations shard, whoever wrote it.
 """
 
 from __future__ import annotations
@@ -29,13 +36,19 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 GREEDY_TEMPERATURE_EPS = 1e-6
 FINISH_TYPES = ("stop", "length", "abort")
 SGLANG_NAN_MATCHED = "NaN happened"
 _INT_ONLY = {int}
+# The longest prompt tail compared with the head of output_ids. SGLang echoes at most its detokenization window
+# (INIT_INCREMENTAL_DETOKENIZATION_OFFSET = 5 ids); the margin covers other versions and proxies.
+ECHO_WINDOW = 64
+# Without the target's control ids, this many ids repeating the prompt's end are the evidence: the last ids of a
+# rendered prompt are the end of the user turn and the assistant header, which no reply begins by repeating.
+ECHO_MIN_IDS = 3
 
 # SGLang sampling keys this project does not use; a request may carry them only at SGLang's default values.
 _IGNORABLE_AT_DEFAULT: dict[str, tuple[Any, ...]] = {
@@ -337,6 +350,129 @@ def _int_field(meta: dict, name: str) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class Defect:
+    """A rule a reply or a stored row breaks: ``kind`` (a ``ReplyError`` kind and a QC drop reason of the same
+    name), ``detail`` (what was found and what to do)."""
+
+    kind: str
+    detail: str
+
+
+def _is_tail(output_ids: Sequence[int], prompt_ids: Sequence[int], k: int) -> bool:
+    """``output_ids[:k] == prompt_ids[-k:]`` for a k of 1 or more that both can hold."""
+    if not 0 < k <= min(len(prompt_ids), len(output_ids)):
+        return False
+    return all(output_ids[i] == prompt_ids[len(prompt_ids) - k + i] for i in range(k))
+
+
+def prompt_echo_length(
+    output_ids: Sequence[int],
+    prompt_ids: Sequence[int] | None,
+    *,
+    completion_tokens: int | None = None,
+    cap: int | None = None,
+    control_ids: Collection[int] | None = None,
+) -> int:
+    """How many ids at the head of ``output_ids`` are an echo of the prompt's tail; 0 when there is no evidence.
+
+    An echo is ``output_ids[:k] == prompt_ids[-k:]``. Equal ids alone are no evidence (a reply may begin with a
+    newline or a word the prompt ends with), so one of these must hold as well:
+
+    1. counts: ``len(output_ids) - completion_tokens == k`` (the server did not count the echoed ids);
+    2. the cap: ``len(output_ids) - cap == k`` (the ids overrun ``max_new_tokens`` by exactly the echo, so the
+       server counted them; ``cap`` is the request's ``max_new_tokens``);
+    3. structure: the k ids hold a control id (``control_ids``: the target's special and added tokens, e.g.
+       ``<|im_start|>``, ``<｜Assistant｜>``, ``<|im_middle|>``, or the ``<think>`` the prompt already wrote). A
+       completion follows the generation prompt; it never begins by writing the chat template's structure that
+       ends the prompt again. The longest such k (up to ``ECHO_WINDOW``) is the echo. When the caller does not
+       know the target's tokens (``control_ids`` None), k >= ``ECHO_MIN_IDS`` is the structural evidence instead.
+
+    Args: ``output_ids`` and ``prompt_ids`` (ints; None prompt = no check), ``completion_tokens`` and ``cap``
+    (None = that evidence is unavailable), ``control_ids`` (None = unknown).
+    Returns: k (>= 1) or 0. Never raises for well-typed input.
+    """
+    if not prompt_ids or not output_ids:
+        return 0
+    n = len(output_ids)
+    for total in (completion_tokens, cap):
+        if total is not None and _is_tail(output_ids, prompt_ids, n - total):
+            return n - total
+    first, window = output_ids[0], min(n, len(prompt_ids), ECHO_WINDOW)
+    shortest = 1 if control_ids is not None else ECHO_MIN_IDS
+    # only the alignments where the prompt id k from the end equals the first output id can match (few, usually 0)
+    for k in range(window, shortest - 1, -1):
+        if prompt_ids[-k] != first or not _is_tail(output_ids, prompt_ids, k):
+            continue
+        if control_ids is None or any(t in control_ids for t in output_ids[:k]):
+            return k
+    return 0
+
+
+def first_out_of_vocab(output_ids: Sequence[int], vocab_size: int | None) -> int | None:
+    """Position of the first id outside ``[0, vocab_size)``, None when all are inside (or ``vocab_size`` is None)."""
+    if vocab_size is None or not output_ids:
+        return None
+    if 0 <= min(output_ids) and max(output_ids) < vocab_size:
+        return None
+    return next(i for i, t in enumerate(output_ids) if t < 0 or t >= vocab_size)
+
+
+def reply_defect(
+    output_ids: Sequence[int],
+    *,
+    completion_tokens: int | None,
+    prompt_ids: Sequence[int] | None = None,
+    vocab_size: int | None = None,
+    max_new_tokens: int | None = None,
+    control_ids: Collection[int] | None = None,
+) -> Defect | None:
+    """The first protocol rule ``output_ids`` break, in this order, or None.
+
+    ``id_out_of_vocab`` (an id outside ``[0, vocab_size)``), ``prompt_echo`` (``prompt_echo_length`` > 0),
+    ``length_mismatch`` (``len(output_ids) != completion_tokens``), ``too_long`` (more ids than
+    ``max_new_tokens``). Arguments left None skip their rule (a stored row of an older producer may lack
+    ``completion_tokens``). The matched-stop rule is ``stop_mismatch``.
+    """
+    pos = first_out_of_vocab(output_ids, vocab_size)
+    if pos is not None:
+        return Defect(
+            "id_out_of_vocab",
+            f"output_ids[{pos}] = {output_ids[pos]} is outside the target vocab [0, {vocab_size}); the server "
+            "serves a different model or tokenizer than the one the prompts were rendered with",
+        )
+    n_out = len(output_ids)
+    echo = prompt_echo_length(output_ids, prompt_ids, completion_tokens=completion_tokens, cap=max_new_tokens,
+                              control_ids=control_ids)
+    if echo:
+        counted = "not counted in" if completion_tokens is not None and n_out - completion_tokens == echo else \
+            "counted in"
+        return Defect(
+            "prompt_echo",
+            f"output_ids start with the last {echo} prompt ids {list(output_ids[:echo])} ({n_out} ids, "
+            f"completion_tokens={completion_tokens}: the echo is {counted} it); this SGLang version returns the "
+            "incremental-detokenization prompt tail in output_ids: upgrade SGLang (the rows would otherwise "
+            "duplicate prompt tokens)",
+        )
+    if completion_tokens is not None and n_out != completion_tokens:
+        return Defect(
+            "length_mismatch",
+            f"len(output_ids)={n_out} but meta_info.completion_tokens={completion_tokens}; refusing a reply whose "
+            "ids and token count disagree",
+        )
+    if max_new_tokens is not None and n_out > max_new_tokens:
+        return Defect("too_long", f"{n_out} completion tokens exceed max_new_tokens={max_new_tokens}")
+    return None
+
+
+def stop_mismatch(output_ids: Sequence[int], matched: Any) -> bool:
+    """True when ``finish_reason.matched`` is a token id that is not the last output id (SGLang keeps the matched
+    id in ``output_ids``, so the ids were trimmed or belong to another request). A stop string or None matches."""
+    if not isinstance(matched, int) or isinstance(matched, bool):
+        return False
+    return not output_ids or output_ids[-1] != matched
+
+
 def parse_reply(
     reply: bytes | str | dict,
     prompt_ids: Sequence[int] | None = None,
@@ -344,6 +480,7 @@ def parse_reply(
     *,
     max_new_tokens: int | None = None,
     rid: str | None = None,
+    control_ids: Collection[int] | None = None,
 ) -> GenerateReply:
     """Validate one ``/generate`` reply and return it as a ``GenerateReply``.
 
@@ -353,11 +490,14 @@ def parse_reply(
         vocab_size: target vocab size; every output id must be in ``[0, vocab_size)``. None skips the check.
         max_new_tokens: the request's cap; more completion tokens than this is ``too_long``.
         rid: the request id sent; a different ``meta_info.id`` is ``rid_mismatch`` (a router mixing replies).
+        control_ids: the target's special and added token ids (``target_model.render.control_token_ids``): the
+            evidence that finds an echo whose ids are counted in ``completion_tokens`` (``prompt_echo_length``);
+            None = unknown, then ``ECHO_MIN_IDS`` ids repeating the prompt's end are the evidence.
     Returns:
         the reply, with ``len(output_ids) == completion_tokens`` guaranteed.
     Raises:
-        ReplyError: kinds listed on ``ReplyError``. ``prompt_echo`` when ``output_ids`` holds k more ids than
-            ``completion_tokens`` and those k ids equal the prompt's last k ids.
+        ReplyError: kinds listed on ``ReplyError``; ``reply_defect`` decides ``id_out_of_vocab``, ``prompt_echo``,
+            ``length_mismatch`` and ``too_long``, ``stop_mismatch`` decides ``stop_mismatch``.
     """
     if isinstance(reply, (bytes, bytearray, str)):
         try:
@@ -390,34 +530,12 @@ def parse_reply(
     if type(output_ids) is not list or not set(map(type, output_ids)) <= _INT_ONLY:
         bad = output_ids if type(output_ids) is not list else next(t for t in output_ids if type(t) is not int)
         raise ReplyError("bad_type", f"output_ids must be a list of ints, found {bad!r}")
-    if vocab_size is not None and output_ids:
-        lo, hi = min(output_ids), max(output_ids)
-        if lo < 0 or hi >= vocab_size:
-            pos = next(i for i, t in enumerate(output_ids) if t < 0 or t >= vocab_size)
-            raise ReplyError(
-                "id_out_of_vocab",
-                f"output_ids[{pos}] = {output_ids[pos]} is outside the target vocab [0, {vocab_size}); the server "
-                "serves a different model or tokenizer than the one the prompts were rendered with",
-            )
     completion = _int_field(meta, "completion_tokens")
     prompt_tokens = _int_field(meta, "prompt_tokens")
-    n_out = len(output_ids)
-    if n_out != completion:
-        extra = n_out - completion
-        if prompt_ids is not None and 0 < extra <= len(prompt_ids) and list(output_ids[:extra]) == list(
-            prompt_ids[-extra:]
-        ):
-            raise ReplyError(
-                "prompt_echo",
-                f"output_ids start with the last {extra} prompt ids ({len(output_ids)} ids for "
-                f"completion_tokens={completion}); this SGLang version returns the incremental-detokenization "
-                "prompt tail in output_ids: upgrade SGLang (the rows would otherwise duplicate prompt tokens)",
-            )
-        raise ReplyError(
-            "length_mismatch",
-            f"len(output_ids)={n_out} but meta_info.completion_tokens={completion}; refusing a reply whose ids "
-            "and token count disagree",
-        )
+    defect = reply_defect(output_ids, completion_tokens=completion, prompt_ids=prompt_ids, vocab_size=vocab_size,
+                          max_new_tokens=max_new_tokens, control_ids=control_ids)
+    if defect is not None:
+        raise ReplyError(defect.kind, defect.detail)
     if prompt_ids is not None and prompt_tokens != len(prompt_ids):
         raise ReplyError(
             "prompt_tokens_mismatch",
@@ -427,8 +545,6 @@ def parse_reply(
     server_rid = meta.get("id")
     if rid is not None and server_rid is not None and str(server_rid) != rid:
         raise ReplyError("rid_mismatch", f"meta_info.id={server_rid!r} but the request's rid was {rid!r}")
-    if max_new_tokens is not None and completion > max_new_tokens:
-        raise ReplyError("too_long", f"{completion} completion tokens exceed max_new_tokens={max_new_tokens}")
     if finish.type == "stop":
         if finish.matched == SGLANG_NAN_MATCHED:
             raise ReplyError(
@@ -436,7 +552,7 @@ def parse_reply(
                 "SGLang reported 'NaN happened': the sampled id was out of range and was overwritten; the "
                 "target model produced NaN logits",
             )
-        if isinstance(finish.matched, int) and (not output_ids or output_ids[-1] != finish.matched):
+        if stop_mismatch(output_ids, finish.matched):
             last = output_ids[-1] if output_ids else None
             raise ReplyError(
                 "stop_mismatch",

@@ -12,6 +12,30 @@ Endpoints (shapes from sgl-project/sglang ``python/sglang/srt/entrypoints/http_s
   missing ``max_new_tokens`` means 128 (logged), an invalid request is HTTP 400 ``{"error": {"message": ..}}``, a
   prompt at or over the context length is refused, and ``max_new_tokens`` is capped to the context left.
   ``stream: true`` is refused (400). A failed forward or a shutdown answers HTTP 200 with an ``abort`` reason.
+  ``max_new_tokens: 0`` is a prefill-only request (SGLang's ``Req.is_prefill_only``): ``output_ids`` [],
+  ``finish_reason`` ``{"type": "length", "length": 0}``.
+- Hidden states (SGLang 0.5.23, see :mod:`eagle_assets.serving.aux_capture` for the launch side): with
+  ``--enable-return-aux-hidden-states`` (or ``--enable-return-hidden-states`` for the final-normed state) a request
+  with ``return_hidden_states: true`` gets ``meta_info.hidden_states`` built as SGLang's scheduler builds it
+  (``scheduler_components/batch_result_processor.py::_append_prefill_hidden_states`` /
+  ``_append_decode_hidden_states``, then ``output_streamer.py`` slices it to ``[: finished_len]``): a list whose
+  first element is the prompt block ``[T][W]`` and whose further elements are one ``[W]`` row per decode step (the
+  fed token; the last sampled token is never fed), so ``max_new_tokens: N`` giving ``n`` tokens returns
+  ``1 + (n - 1)`` entries. Consequences copied on purpose: ``max_new_tokens: 0`` returns ``[]`` (``finished_len``
+  is 0), so features need ``max_new_tokens: 1``, which returns ``[[row_0, ..., row_{T-1}]]``; the final-layer
+  state is not in it. ``return_hidden_states: "last"`` returns the latest row alone, ``[W]``. ``W`` is ``k * H``
+  (capture layers in ascending capture id). Non-finite values are sent as ``null``, as SGLang's orjson does. A
+  request asking for more than the server allows is HTTP 400 with SGLang's message.
+- Logprobs (``tokenizer_manager.py::add_logprob_to_meta_info``, ``logprob_result_processor.py``): with
+  ``return_logprob: true``, ``logprob_start_len`` (-1 = output tokens only) and ``top_logprobs_num``:
+  ``meta_info.input_token_logprobs`` ``[[logprob | None, token_id, text | None], ..]`` for prompt tokens
+  ``logprob_start_len ..`` (the first entry's logprob is None), ``output_token_logprobs`` (one per output token),
+  ``output_token_logprobs_length``, and with ``top_logprobs_num > 0`` ``input_top_logprobs`` (entry ``i`` = the
+  top-k of the distribution that predicts prompt token ``logprob_start_len + i``; entry 0 is None) and
+  ``output_top_logprobs``. Logprobs are ``log_softmax`` of the raw logits (SGLang's value for greedy requests and
+  for all input logprobs); ``return_text_in_logprobs`` fills the text slot. ``token_ids_logprob`` is refused. One
+  known difference: a ``max_new_tokens: 0`` request gets no output logprobs here, where SGLang reports one for the
+  dummy token id 0 it puts in place of sampling (``tp_worker.py``).
 - ``GET /health``, ``GET /health_generate``: 200 with an empty body while the decode thread is alive, else 503.
 - ``GET /get_model_info`` (alias ``/model_info``, the newer name): ``{"model_path", "tokenizer_path",
   "is_generation": true, "preferred_sampling_params", "weight_version"}`` as SGLang, plus ``vocab_size``,
@@ -28,7 +52,9 @@ Batching and determinism: see ``eagle_assets.serving.engine``. The model runs in
 loop keeps answering ``/health`` and accepting requests while a batch decodes.
 
 CLI: ``python -m eagle_assets.serving.server --model-path DIR [--host 127.0.0.1] [--port 30000]
-[--max-batch-size 64] [--api-key-env VAR]``; prints ``EAGLE_ASSETS_SERVER_READY http://HOST:PORT`` once it serves.
+[--max-batch-size 64] [--api-key-env VAR] [--speculative-algorithm EAGLE3 --enable-return-aux-hidden-states
+[--return-aux-hidden-state-layer-ids I J K]] [--enable-return-hidden-states] [--return-hidden-states-mode
+last|full]``; prints ``EAGLE_ASSETS_SERVER_READY http://HOST:PORT`` once it serves.
 """
 
 from __future__ import annotations
@@ -40,6 +66,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -51,6 +78,13 @@ from typing import Any, Iterator
 
 from aiohttp import web
 
+from eagle_assets.serving.aux_capture import (
+    CAPTURE_ALGORITHMS,
+    AuxCaptureError,
+    capture_convention,
+    capture_ids_from_flag,
+    num_layers_of,
+)
 from eagle_assets.serving.engine import DecodeEngine, EngineRequest, EngineResult, load_causal_lm, model_eos_ids
 from eagle_assets.serving.launch import READY_PREFIX
 from eagle_assets.serving.protocol import SGLANG_DEFAULT_MAX_NEW_TOKENS, SamplingParams
@@ -62,6 +96,55 @@ MAX_BODY_BYTES = 256 * 1024 * 1024
 
 class _BadRequest(ValueError):
     """A request SGLang would answer with HTTP 400."""
+
+
+_HIDDEN_RANK = {None: 0, "last": 1, "full": 2}  # SGLang's CaptureHiddenMode order NULL < LAST < FULL
+
+
+@dataclass
+class _Item:
+    """One parsed input of a ``/generate`` body."""
+
+    rid: str
+    ids: list[int]
+    sp: SamplingParams
+    prefill_only: bool = False
+    hidden: str | None = None
+    logprob_start: int | None = None
+    top_logprobs: int = 0
+    text_in_logprobs: bool = False
+
+
+def _per_item(body: dict, key: str, n: int, default: Any) -> list[Any]:
+    value = body.get(key, default)
+    if isinstance(value, list):
+        if len(value) != n:
+            raise _BadRequest(f"The length of {key} should be equal to the batch size ({len(value)} for {n} inputs).")
+        return value
+    return [value] * n
+
+
+def _hidden_mode(value: Any) -> str | None:
+    # SGLang's get_return_hidden_states_mode: True -> FULL, "last" -> LAST, False -> NULL, anything else refused
+    if value is True:
+        return "full"
+    if value == "last":
+        return "last"
+    if value is False or value is None:
+        return None
+    raise _BadRequest("return_hidden_states must be a boolean or the string literal 'last'.")
+
+
+def _json_rows(t: Any) -> Any:
+    """``tensor.tolist()``, with non-finite values as None (JSON has no NaN; SGLang's orjson writes null)."""
+    import torch
+
+    if bool(torch.isfinite(t).all()):
+        return t.tolist()
+    rows = t.tolist()
+    if t.dim() == 1:
+        return [v if math.isfinite(v) else None for v in rows]
+    return [[v if math.isfinite(v) else None for v in r] for r in rows]
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -89,8 +172,15 @@ class ModelServer:
         api_key: require ``Authorization: Bearer <api_key>`` (except on ``/health*``).
         context_length: prompt + completion limit; defaults to ``config.max_position_embeddings``.
         seed: seeds the per-request seeds of sampled requests without ``sampling_seed``.
+        enable_return_aux_hidden_states / speculative_algorithm / return_aux_hidden_state_layer_ids: SGLang's
+            capture-only mode (see :mod:`eagle_assets.serving.aux_capture`); ``speculative_algorithm`` only names
+            the convention (EAGLE3; no draft runs).
+        enable_return_hidden_states: allow ``return_hidden_states`` for the final-normed state (no aux capture).
+        return_hidden_states_mode: the most a request may ask (``last`` | ``full``); default ``full`` when either
+            flag is on, else hidden states are refused.
     Raises:
-        ValueError / OSError when the model cannot be loaded.
+        ValueError / OSError when the model cannot be loaded; AuxCaptureError (a ValueError) for capture settings
+        SGLang would refuse, with SGLang's message.
     """
 
     def __init__(
@@ -105,7 +195,14 @@ class ModelServer:
         api_key: str | None = None,
         context_length: int | None = None,
         seed: int | None = None,
+        enable_return_aux_hidden_states: bool = False,
+        speculative_algorithm: str | None = None,
+        return_aux_hidden_state_layer_ids: list[int] | None = None,
+        enable_return_hidden_states: bool = False,
+        return_hidden_states_mode: str | None = None,
     ):
+        self._check_capture_args(enable_return_aux_hidden_states, speculative_algorithm,
+                                 return_aux_hidden_state_layer_ids, return_hidden_states_mode)
         self.model_path = str(model_path)
         self.tokenizer_path = str(tokenizer_path or model_path)
         self.model = load_causal_lm(self.model_path, dtype=dtype, device=device)
@@ -115,10 +212,55 @@ class ModelServer:
         self.context_length = context_length or getattr(config, "max_position_embeddings", None)
         self.eos_ids = model_eos_ids(self.model, self.tokenizer)
         self.api_key = api_key or None
+        self.enable_return_aux_hidden_states = bool(enable_return_aux_hidden_states)
+        self.return_aux_hidden_state_layer_ids = (
+            [int(i) for i in return_aux_hidden_state_layer_ids] if return_aux_hidden_state_layer_ids is not None
+            else None
+        )
+        self.capture_ids: list[int] = []
+        self.capture_convention: str | None = None
+        if self.enable_return_aux_hidden_states:
+            self.capture_convention = capture_convention(config)
+            self.capture_ids = capture_ids_from_flag(
+                self.return_aux_hidden_state_layer_ids, num_layers_of(config), self.capture_convention
+            )
+        self.enable_return_hidden_states = bool(enable_return_hidden_states) or return_hidden_states_mode is not None
+        if return_hidden_states_mode is None and (self.enable_return_hidden_states
+                                                  or self.enable_return_aux_hidden_states):
+            return_hidden_states_mode = "full"
+        self.return_hidden_states_mode = return_hidden_states_mode
+        source = "aux" if self.enable_return_aux_hidden_states else ("final" if return_hidden_states_mode else None)
         self.engine = DecodeEngine(
-            self.model, self.eos_ids, max_batch_size=max_batch_size, batch_wait_s=batch_wait_s, seed=seed
+            self.model, self.eos_ids, max_batch_size=max_batch_size, batch_wait_s=batch_wait_s, seed=seed,
+            hidden_states=source, capture_ids=self.capture_ids,
         )
         self._warned_default_max_new = False
+
+    @staticmethod
+    def _check_capture_args(enabled: bool, algorithm: str | None, layer_ids: list[int] | None,
+                            mode: str | None) -> None:
+        """SGLang's ``handle_aux_hidden_state_capture`` / ``handle_return_hidden_states_mode`` checks."""
+        if mode not in (None, "last", "full"):
+            raise AuxCaptureError("return_hidden_states_mode must be one of: None, 'last', or 'full'.")
+        if not enabled:
+            if layer_ids is not None:
+                raise AuxCaptureError(
+                    "--return-aux-hidden-state-layer-ids requires --enable-return-aux-hidden-states."
+                )
+            if algorithm is not None:
+                raise AuxCaptureError(
+                    f"--speculative-algorithm {algorithm}: this server runs no speculative decoding; it takes the "
+                    "flag only with --enable-return-aux-hidden-states, to name the capture convention"
+                )
+            return
+        method = (algorithm or "").upper()
+        if method not in CAPTURE_ALGORITHMS:
+            raise AuxCaptureError(
+                "--enable-return-aux-hidden-states needs --speculative-algorithm EAGLE3, DFLASH or DSPARK to name "
+                f"the capture convention, got {algorithm!r}."
+            )
+        if method != "EAGLE3":
+            raise AuxCaptureError(f"this server implements the EAGLE3 capture convention only, not {method}")
 
     @staticmethod
     def _load_tokenizer(path: str) -> Any | None:
@@ -159,8 +301,25 @@ class ModelServer:
             "max_batch_size": self.engine.max_batch_size,
         }
 
+    def capture_info(self) -> dict[str, Any]:
+        """The hidden-state fields of ``/server_info``, under SGLang's resolved server-arg names (SGLang resets
+        ``speculative_algorithm`` to None in capture mode and records the convention in
+        ``aux_hidden_state_capture``), plus ``aux_capture_ids`` (ours: what the columns hold)."""
+        return {
+            "enable_return_aux_hidden_states": self.enable_return_aux_hidden_states,
+            "return_aux_hidden_state_layer_ids": self.return_aux_hidden_state_layer_ids,
+            "aux_hidden_state_capture": "eagle3" if self.enable_return_aux_hidden_states else None,
+            "speculative_algorithm": None,
+            "enable_return_hidden_states": self.enable_return_hidden_states,
+            "return_hidden_states_mode": self.return_hidden_states_mode,
+            "chunked_prefill_size": -1,  # prompts are never split here
+            "disable_radix_cache": True,  # there is no prefix cache
+            "aux_capture_ids": list(self.capture_ids),
+            "aux_capture_convention": self.capture_convention,
+        }
+
     # ------------------------------------------------------------------------------------------------- parsing
-    def _parse(self, body: Any) -> tuple[list[tuple[str, list[int], SamplingParams]], bool]:
+    def _parse(self, body: Any) -> tuple[list[_Item], bool]:
         if not isinstance(body, dict):
             raise _BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
         if body.get("stream"):
@@ -191,15 +350,24 @@ class ModelServer:
             rids = [str(r) for r in rid]
         else:
             rids = [str(rid)] if single else [f"{rid}_{i}" for i in range(n)]
-        parsed_cache: dict[int, SamplingParams] = {}
+        if body.get("token_ids_logprob") is not None:
+            raise _BadRequest("token_ids_logprob is not supported by this server; use top_logprobs_num")
+        hidden = [_hidden_mode(v) for v in _per_item(body, "return_hidden_states", n, False)]
+        self._check_hidden_allowed(hidden)
+        want_lp = _per_item(body, "return_logprob", n, False)
+        starts = _per_item(body, "logprob_start_len", n, -1)
+        tops = _per_item(body, "top_logprobs_num", n, 0)
+        text_in_lp = bool(body.get("return_text_in_logprobs", False))
+        parsed_cache: dict[int, tuple[SamplingParams, bool]] = {}
         items = []
         for i, (ids, p, r) in enumerate(zip(batch, param_list, rids)):
             self._check_ids(ids, i, single)
             key = id(p)
-            sp = parsed_cache.get(key)
-            if sp is None:
-                sp = self._sampling(p)
-                parsed_cache[key] = sp
+            parsed = parsed_cache.get(key)
+            if parsed is None:
+                parsed = self._sampling(p)
+                parsed_cache[key] = parsed
+            sp, prefill_only = parsed
             if self.context_length is not None:
                 room = self.context_length - len(ids)
                 if room <= 0:
@@ -209,10 +377,52 @@ class ModelServer:
                     )
                 if sp.max_new_tokens > room:
                     sp = dataclasses.replace(sp, max_new_tokens=room)
-            items.append((r, ids, sp))
+            item = _Item(r, ids, sp, prefill_only=prefill_only, hidden=hidden[i], text_in_logprobs=text_in_lp)
+            if want_lp[i]:
+                item.logprob_start, item.top_logprobs = self._logprob_range(ids, starts[i], tops[i], prefill_only)
+            items.append(item)
         return items, single
 
-    def _sampling(self, obj: Any) -> SamplingParams:
+    def _check_hidden_allowed(self, hidden: list[str | None]) -> None:
+        asked = max(_HIDDEN_RANK[h] for h in hidden)
+        if asked <= _HIDDEN_RANK[self.return_hidden_states_mode]:
+            return
+        if self.return_hidden_states_mode is not None:
+            raise _BadRequest(
+                "The requested return_hidden_states mode exceeds the server maximum "
+                f"`{self.return_hidden_states_mode}`. Please launch with `--return-hidden-states-mode full` to allow "
+                "return_hidden_states=True."
+            )
+        raise _BadRequest(
+            "The server is not configured to return hidden states. Please set `--return-hidden-states-mode last`, "
+            "`--return-hidden-states-mode full`, or the legacy `--enable-return-hidden-states` flag."
+        )
+
+    def _logprob_range(self, ids: list[int], start: Any, top: Any, prefill_only: bool) -> tuple[int, int]:
+        """SGLang's resolved ``logprob_start_len`` (``scheduler.py``: -1 = output tokens only) and top-k."""
+        if type(start) is not int or start < -1:
+            raise _BadRequest(f"logprob_start_len must be an int >= -1, got {start!r}")
+        if type(top) is not int or top < 0:
+            raise _BadRequest(f"top_logprobs_num must be an int >= 0, got {top!r}")
+        if top > self.vocab_size:
+            raise _BadRequest(f"top_logprobs_num={top} is larger than the vocabulary ({self.vocab_size})")
+        resolved = len(ids) if start == -1 else start
+        if resolved < len(ids) and self.engine.recording_error:
+            raise _BadRequest(f"input logprobs are not available for this model: {self.engine.recording_error}")
+        if resolved > len(ids):
+            raise _BadRequest(
+                f"logprob_start_len={resolved} is higher than the number of input tokens len(req.origin_input_ids)="
+                f"{len(ids)}. Please use a smaller logprob_start_len."
+            )
+        return resolved, top
+
+    def _sampling(self, obj: Any) -> tuple[SamplingParams, bool]:
+        """``(params, prefill_only)``; ``max_new_tokens: 0`` is SGLang's prefill-only request."""
+        if isinstance(obj, dict) and type(obj.get("max_new_tokens")) is int and obj["max_new_tokens"] == 0:
+            return self._sampling_params({**obj, "max_new_tokens": 1}), True
+        return self._sampling_params(obj), False
+
+    def _sampling_params(self, obj: Any) -> SamplingParams:
         if not (isinstance(obj, dict) and obj.get("max_new_tokens") is not None) and not self._warned_default_max_new:
             self._warned_default_max_new = True
             log.warning(
@@ -241,24 +451,67 @@ class ModelServer:
             return [list(ids) for ids in self.tokenizer(text).input_ids]
         raise _BadRequest("text must be a non-empty string or a non-empty list of strings")
 
-    def _reply(self, res: EngineResult, sp: SamplingParams) -> dict[str, Any]:
+    def _reply(self, res: EngineResult, item: _Item) -> dict[str, Any]:
+        sp = item.sp
         text = ""
         if self.tokenizer is not None and res.output_ids:
             # SGLang trims a matched stop token from the text only; output_ids keep it
             shown = res.output_ids[:-1] if res.finish_reason.get("type") == "stop" else res.output_ids
             text = self.tokenizer.decode(shown, skip_special_tokens=sp.skip_special_tokens)
-        return {
-            "text": text,
-            "output_ids": res.output_ids,
-            "meta_info": {
-                "id": res.rid,
-                "finish_reason": res.finish_reason,
-                "prompt_tokens": res.prompt_tokens,
-                "completion_tokens": res.completion_tokens,
-                "cached_tokens": 0,
-                "e2e_latency": round(res.e2e_latency, 6),
-            },
+        meta: dict[str, Any] = {
+            "id": res.rid,
+            "finish_reason": res.finish_reason,
+            "prompt_tokens": res.prompt_tokens,
+            "completion_tokens": res.completion_tokens,
+            "cached_tokens": 0,
+            "e2e_latency": round(res.e2e_latency, 6),
         }
+        if item.logprob_start is not None and res.finish_reason.get("type") != "abort":
+            meta.update(self._logprob_meta(res, item))
+        if item.hidden is not None and res.hidden_blocks is not None:
+            blocks = res.hidden_blocks
+            if item.hidden == "last":
+                meta["hidden_states"] = _json_rows(blocks[-1]) if blocks else None
+            else:
+                # output_streamer.py: hs[: finished_len], and finished_len == len(output_ids) at the finish
+                meta["hidden_states"] = [_json_rows(b) for b in blocks[: len(res.output_ids)]]
+        return {"text": text, "output_ids": res.output_ids, "meta_info": meta}
+
+    def _token_text(self, ids: list[int], with_text: bool) -> list[str | None]:
+        if not with_text or self.tokenizer is None:
+            return [None] * len(ids)
+        return [self.tokenizer.decode([t]) for t in ids]
+
+    def _logprob_meta(self, res: EngineResult, item: _Item) -> dict[str, Any]:
+        """SGLang's logprob fields of ``meta_info`` (``[logprob, token_id, text]`` triples)."""
+        with_text = item.text_in_logprobs
+        start = item.logprob_start
+        in_ids = item.ids[start:]
+        in_text = self._token_text(in_ids, with_text)
+        in_vals = res.input_logprobs.tolist() if res.input_logprobs is not None else []
+        input_lp = [[None if i == 0 else in_vals[i], t, in_text[i]] for i, t in enumerate(in_ids)]
+        out_vals = res.output_logprobs or []
+        out_text = self._token_text(res.output_ids, with_text)
+        output_lp = [[v, t, x] for v, t, x in zip(out_vals, res.output_ids, out_text)]
+        meta: dict[str, Any] = {
+            "input_token_logprobs": input_lp,
+            "output_token_logprobs": output_lp,
+            "output_token_logprobs_length": len(output_lp),
+        }
+        if item.top_logprobs > 0:
+            def triples(vals: list[float], ids: list[int]) -> list[list[Any]]:
+                texts = self._token_text(ids, with_text)
+                return [[v, t, x] for v, t, x in zip(vals, ids, texts)]
+
+            input_top: list[Any] = []
+            if res.input_top is not None:
+                vals, ids = res.input_top[0].tolist(), res.input_top[1].tolist()
+                input_top = [None] + [triples(v, i) for v, i in zip(vals[1:], ids[1:])]
+            elif in_ids:
+                input_top = [None]
+            meta["input_top_logprobs"] = input_top
+            meta["output_top_logprobs"] = [triples(v.tolist(), i.tolist()) for v, i in (res.output_top or [])]
+        return meta
 
     # ------------------------------------------------------------------------------------------------ handlers
     async def _handle_generate(self, request: web.Request) -> web.Response:
@@ -275,7 +528,7 @@ class ModelServer:
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future] = []
         reqs: list[EngineRequest] = []
-        for rid, ids, sp in items:
+        for item in items:
             fut = loop.create_future()
 
             def on_done(result: EngineResult, fut: asyncio.Future = fut) -> None:
@@ -283,7 +536,9 @@ class ModelServer:
                     loop.call_soon_threadsafe(_deliver, fut, result)
 
             futures.append(fut)
-            reqs.append(EngineRequest(rid, ids, sp, on_done, arrival=arrival))
+            reqs.append(EngineRequest(item.rid, item.ids, item.sp, on_done, arrival=arrival, hidden=item.hidden,
+                                      prefill_only=item.prefill_only, logprob_start=item.logprob_start,
+                                      top_logprobs=item.top_logprobs))
         self.engine.submit(reqs)
         try:
             results = await asyncio.gather(*futures)
@@ -291,7 +546,7 @@ class ModelServer:
             for r in reqs:
                 r.cancelled = True
             raise
-        replies = [self._reply(res, sp) for res, (_, _, sp) in zip(results, items)]
+        replies = [self._reply(res, item) for res, item in zip(results, items)]
         payload = replies[0] if single else replies
         return web.Response(body=json.dumps(payload).encode(), content_type="application/json")
 
@@ -303,6 +558,7 @@ class ModelServer:
 
     async def _handle_server_info(self, request: web.Request) -> web.Response:
         info = self.model_info()
+        info.update(self.capture_info())
         info.update(
             {
                 "engine": self.engine.stats.to_json(),
@@ -424,6 +680,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api-key-env", default=None, help="environment variable holding the API key")
     p.add_argument("--api-key", default=None, help="API key (visible in the process list; prefer --api-key-env)")
     p.add_argument("--seed", type=int, default=None, help="seed for sampled requests without sampling_seed")
+    p.add_argument("--enable-return-aux-hidden-states", action="store_true",
+                   help="SGLang's capture-only mode: return_hidden_states returns the aux hidden states")
+    p.add_argument("--speculative-algorithm", default=None,
+                   help="with --enable-return-aux-hidden-states: the capture convention (EAGLE3); nothing else")
+    p.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+", default=None,
+                   help="SGLang's layer ids (model-class rule, see eagle_assets.serving.aux_capture)")
+    p.add_argument("--enable-return-hidden-states", action="store_true",
+                   help="allow return_hidden_states (the final-normed hidden state)")
+    p.add_argument("--return-hidden-states-mode", choices=["last", "full"], default=None)
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--log-level", default="info")
     p.add_argument("--exit-with-parent", action="store_true",
@@ -462,6 +727,11 @@ def main(argv: list[str] | None = None) -> int:
             api_key=api_key,
             context_length=args.context_length,
             seed=args.seed,
+            enable_return_aux_hidden_states=args.enable_return_aux_hidden_states,
+            speculative_algorithm=args.speculative_algorithm,
+            return_aux_hidden_state_layer_ids=args.return_aux_hidden_state_layer_ids,
+            enable_return_hidden_states=args.enable_return_hidden_states,
+            return_hidden_states_mode=args.return_hidden_states_mode,
         )
     except (OSError, ValueError) as exc:
         print(f"error: cannot serve {args.model_path}: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -20,9 +20,12 @@ Faults: an in-process ``StubServer`` takes ``fault(rid, attempt, body) -> action
 ``http_500``, ``http_503`` (with ``Retry-After: 0``), ``http_429``, ``http_400``, ``abort`` (HTTP 200 with
 ``finish_reason`` abort, as SGLang sends it), ``truncated`` (half a JSON body), ``ct_mismatch``
 (``completion_tokens`` one more than the ids), ``echo`` (the prompt's last 3 ids in front of ``output_ids``, the
-SGLang incremental-detokenization bug), ``oov`` (an id outside the vocab), ``drop`` (close the connection without
-an answer), ``reset`` (TCP RST: ``SO_LINGER`` 0 then close), ``hang`` (answer after ``hang_s``, past a client
-timeout), ``echo_auth`` (HTTP 500 whose body quotes the request's ``Authorization`` header, as careless proxies do).
+SGLang incremental-detokenization bug), ``echo_counted`` (the prompt's last ``SGLANG_ECHO_IDS`` = 5 ids in front of
+``output_ids`` and counted in ``completion_tokens``, as the SGLang versions that count the echo answer: the counts
+agree), ``tail_like`` (not a fault: a good reply whose first 2 ids equal the prompt's last 2 ids, counted; a reply
+the client must keep unless those ids are chat-template structure), ``oov`` (an id outside the vocab), ``drop``
+(close the connection without an answer), ``reset`` (TCP RST: ``SO_LINGER`` 0 then close), ``hang`` (answer after
+``hang_s``, past a client timeout), ``echo_auth`` (HTTP 500 whose body quotes the request's ``Authorization`` header, as careless proxies do).
 
 CLI (benchmarks; prints ``EAGLE_ASSETS_SERVER_READY http://HOST:PORT`` once it serves):
 ``python -m eagle_assets.serving.stub_server [--port 0] [--latency-ms 0] [--output-tokens N] [--vocab-size V]``.
@@ -51,8 +54,11 @@ from aiohttp import web
 
 from eagle_assets.serving.launch import READY_PREFIX
 
-FAULTS = ("http_500", "http_503", "http_429", "http_400", "abort", "truncated", "ct_mismatch", "echo", "oov", "drop",
-          "reset", "hang", "echo_auth")
+FAULTS = ("http_500", "http_503", "http_429", "http_400", "abort", "truncated", "ct_mismatch", "echo", "echo_counted",
+          "tail_like", "oov", "drop", "reset", "hang", "echo_auth")
+# SGLang's incremental-detokenization window (INIT_INCREMENTAL_DETOKENIZATION_OFFSET in schedule_batch.py): the
+# prompt ids a buggy version puts in front of output_ids.
+SGLANG_ECHO_IDS = 5
 FaultFn = Callable[[str, int, dict], "str | None"]
 # ids below this are left to special tokens so stub replies never contain a stop id by accident
 FIRST_ORDINARY_ID = 8
@@ -234,6 +240,16 @@ class StubServer:
             return web.json_response(good)
         if action == "echo":
             good["output_ids"] = list(body["input_ids"][-3:]) + good["output_ids"]
+            return web.json_response(good)
+        if action == "echo_counted":
+            good["output_ids"] = list(body["input_ids"][-SGLANG_ECHO_IDS:]) + good["output_ids"]
+            meta["completion_tokens"] = len(good["output_ids"])
+            return web.json_response(good)
+        if action == "tail_like":
+            tail, ids = list(body["input_ids"][-2:]), good["output_ids"]
+            # the reply keeps its own last id (its stop id) after the prompt-like head
+            good["output_ids"] = tail + (ids[len(tail):] if len(ids) > len(tail) else ids[-1:])
+            meta["completion_tokens"] = len(good["output_ids"])
             return web.json_response(good)
         if action == "oov":
             good["output_ids"][0] = self.vocab_size + 3

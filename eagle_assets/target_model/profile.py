@@ -10,6 +10,12 @@ Sources for the markers:
   163607, ``<|tool_calls_section_begin|>`` 163595 / ``_end|>`` 163596 around ``<|tool_call_begin|>`` 163597 /
   ``<|tool_call_end|>`` 163599, ``<|im_end|>`` 163586 (config eos), ``[EOS]`` 163585.
 - the embedded demo target: Qwen-style ChatML tokens (see eagle_assets/demo), small vocab.
+
+Sources for the reasoning rules (``tool_call_ends_reasoning``, ``implicit_think_start``): SGLang's reasoning
+parsers in ``python/sglang/srt/parser/reasoning_parser.py`` (``KimiK2Detector`` passes
+``tool_start_token="<|tool_calls_section_begin|>"``, sgl-project/sglang PRs 19552 / 19696, issue 18086;
+``DeepSeekR1Detector`` forces reasoning until ``</think>`` even without a leading ``<think>``) and vLLM's
+``KimiK2ReasoningParser``. docs/token-structure.md has the per-family table and what was found for Qwen3.
 """
 
 from __future__ import annotations
@@ -36,6 +42,14 @@ class FamilyProfile:
             end)). Empty when the family has no tool-call tokens.
         end_of_turn_id: the id that ends an assistant turn in the chat template.
         stop_ids: every id that ends generation (end of turn, eos, generation_config eos), end_of_turn_id first.
+        tool_call_ends_reasoning: an open reasoning block that has no think-end is closed by the first outermost
+            tool-call start (``tool_call_start_ids[0]``): the reasoning is what precedes it, the tool-call section is
+            the answer. On for Kimi (SGLang ``KimiK2Detector``, vLLM ``KimiK2ReasoningParser``), off elsewhere;
+            a catalog sets it with ``target.profile.tool_call_ends_reasoning``.
+        implicit_think_start: the output may reason without writing the think-start: when the prompt did not open
+            a block and the output has a think-end, everything before it is reasoning. On for DeepSeek (SGLang
+            ``DeepSeekR1Detector`` ``force_reasoning=True``: original R1 templates end with ``<｜Assistant｜>`` and
+            R1 starts reasoning without ``<think>``); elsewhere a think-end without a block is a drop reason.
     """
 
     name: str
@@ -45,6 +59,8 @@ class FamilyProfile:
     tool_call_end_ids: tuple[int, ...]
     end_of_turn_id: int
     stop_ids: tuple[int, ...]
+    tool_call_ends_reasoning: bool = False
+    implicit_think_start: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (for asset metadata and Parquet schema metadata)."""
@@ -56,6 +72,8 @@ class FamilyProfile:
             "tool_call_end_ids": list(self.tool_call_end_ids),
             "end_of_turn_id": self.end_of_turn_id,
             "stop_ids": list(self.stop_ids),
+            "tool_call_ends_reasoning": self.tool_call_ends_reasoning,
+            "implicit_think_start": self.implicit_think_start,
         }
 
 
@@ -73,7 +91,10 @@ OVERRIDE_KEYS = {
     "end_of_turn_id": "end_of_turn_id",
     "stop_ids": "stop_ids",
     "stop": "stop_ids",
+    "tool_call_ends_reasoning": "tool_call_ends_reasoning",
+    "implicit_think_start": "implicit_think_start",
 }
+_BOOL_FIELDS = ("tool_call_ends_reasoning", "implicit_think_start")
 
 
 def _vocab(tokenizer: Any) -> dict[str, int]:
@@ -124,6 +145,10 @@ def _apply_overrides(profile: FamilyProfile, tokenizer: Any, vocab: dict[str, in
             raise ProfileError(f"unknown profile override {key!r}; use one of {sorted(OVERRIDE_KEYS)}")
         if field_name == "name":
             changes["name"] = str(value)
+        elif field_name in _BOOL_FIELDS:
+            if not isinstance(value, bool):
+                raise ProfileError(f"profile override {key!r} must be true or false, got {value!r}")
+            changes[field_name] = value
         elif field_name in ("think_start_id", "think_end_id"):
             changes[field_name] = None if value is None else _resolve(tokenizer, vocab, value, key)
         elif field_name == "end_of_turn_id":
@@ -138,6 +163,9 @@ def _apply_overrides(profile: FamilyProfile, tokenizer: Any, vocab: dict[str, in
         raise ProfileError("think_start and think_end must both be set or both be null")
     if not profile.stop_ids:
         raise ProfileError("stop_ids is empty; generation could never end with a stop token")
+    if profile.tool_call_ends_reasoning and not profile.tool_call_start_ids:
+        raise ProfileError("tool_call_ends_reasoning is set but the profile has no tool_call_start ids; set "
+                           "tool_call_start / tool_call_end too, or leave tool_call_ends_reasoning false")
     if profile.end_of_turn_id not in profile.stop_ids:
         profile = replace(profile, stop_ids=(profile.end_of_turn_id, *profile.stop_ids))
     return profile
@@ -154,13 +182,15 @@ def detect_profile(tokenizer: Any, overrides: dict[str, Any] | None = None) -> F
     Args:
         tokenizer: a transformers tokenizer (``get_vocab``, ``eos_token_id``, ``len``).
         overrides: keys think_start, think_end, tool_call_start, tool_call_end, end_of_turn, stop_ids, name (token
-            strings or ids; lists for the tuple fields; null disables think markers).
+            strings or ids; lists for the tuple fields; null disables think markers), tool_call_ends_reasoning and
+            implicit_think_start (true / false).
     Raises:
         ProfileError: no end-of-turn id can be found (custom family without eos) and none is given, or an
             override is invalid.
     """
     vocab = _vocab(tokenizer)
     overrides = dict(overrides or {})
+    rules: dict[str, bool] = {}
 
     def tid(token: str) -> int | None:
         return vocab.get(token)
@@ -176,11 +206,13 @@ def detect_profile(tokenizer: Any, overrides: dict[str, Any] | None = None) -> F
         starts = (tid("<|tool_calls_section_begin|>"), tid("<|tool_call_begin|>"))
         ends = (tid("<|tool_calls_section_end|>"), tid("<|tool_call_end|>"))
         eot = tid("<|im_end|>")
+        rules = {"tool_call_ends_reasoning": True}
     elif tid("<｜Assistant｜>") is not None:
         name = "deepseek"
         starts = (tid("<｜tool▁calls▁begin｜>"), tid("<｜tool▁call▁begin｜>"))
         ends = (tid("<｜tool▁calls▁end｜>"), tid("<｜tool▁call▁end｜>"))
         eot = tid("<｜end▁of▁sentence｜>")
+        rules = {"implicit_think_start": True}
     elif tid("<|im_start|>") is not None and tid("<|im_end|>") is not None:
         base = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
         name = "demo" if (base / "recipe.json").is_file() or len(tokenizer) < 32000 else "qwen3"
@@ -213,5 +245,35 @@ def detect_profile(tokenizer: Any, overrides: dict[str, Any] | None = None) -> F
         tool_call_end_ids=tuple(e for _, e in pairs),
         end_of_turn_id=eot,
         stop_ids=tuple(stops),
+        **rules,
     )
     return _apply_overrides(profile, tokenizer, vocab, overrides) if overrides else profile
+
+
+def target_vocab_size(model_dir: str | Path | None, tokenizer: Any) -> int:
+    """Number of ids the target model can emit: ``[0, n)`` is the range every output id must lie in.
+
+    Args:
+        model_dir: the target's local directory (its ``config.json`` gives ``vocab_size``, or
+            ``text_config.vocab_size`` for multimodal configs such as Kimi-K2.5's); None or no usable config =
+            fall back to the tokenizer.
+        tokenizer: the target's tokenizer; ``len(tokenizer)`` (base vocab + added tokens) is the fallback.
+    Returns: the config's vocab size (often padded above ``len(tokenizer)``: Qwen3 151936 vs 151669 ids) when it
+        is a positive int at least ``len(tokenizer)``, else ``len(tokenizer)``. A config smaller than the tokenizer
+        would call the tokenizer's own special ids out of range, so the larger of the two wins.
+    """
+    n_tok = len(tokenizer)
+    cfg_path = Path(str(model_dir)) / "config.json" if model_dir is not None else None
+    if cfg_path is None or not cfg_path.is_file():
+        return n_tok
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError):
+        return n_tok
+    if not isinstance(cfg, dict):
+        return n_tok
+    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    for size in (cfg.get("vocab_size"), text_cfg.get("vocab_size")):
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            return max(size, n_tok)
+    return n_tok

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from eagle_assets.target_model.profile import FamilyProfile
 
@@ -55,9 +55,12 @@ class RenderedPrompt:
         template_hash: first 16 hex chars of sha256 of the chat template source (lineage: a template change
             changes every prompt).
         flags: ``bos`` (prompt starts with the BOS id), ``has_tools``, ``enable_thinking`` (as passed),
-            ``ends_with_think_start`` (the generation prompt pre-opens a reasoning block, so the output must
-            close it), ``tool_arguments_as_string`` (the template needed JSON-string arguments),
-            ``generation_prompt`` (the text the generation prompt added).
+            ``ends_with_think_start`` (the generation prompt opens a reasoning block, so the output must close
+            it; decided by ``opens_think_block``, also when a newline or text follows the think-start),
+            ``ids_after_think_start`` (the prompt ids after that think-start, e.g. DeepSeek-R1's ``\n``; None
+            when no block is open), ``tool_arguments_as_string`` (the template needed JSON-string arguments),
+            ``generation_prompt`` (the text the generation prompt added), ``generation_prompt_tokens`` (how many
+            ids it added; None when its ids cannot be delimited, and the whole prompt is judged instead).
         text: the rendered prompt text.
     """
 
@@ -66,6 +69,11 @@ class RenderedPrompt:
     template_hash: str
     flags: dict[str, Any] = field(default_factory=dict)
     text: str = ""
+
+    @property
+    def opens_think(self) -> bool:
+        """The output must close a reasoning block the prompt opened (``tokenized_prompts.prompt_opens_think``)."""
+        return bool(self.flags.get("ends_with_think_start"))
 
 
 def template_hash(tokenizer: Any) -> str:
@@ -120,17 +128,49 @@ def _apply(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, gen: bool
     return text
 
 
-def _ends_with_open_think(tokenizer: Any, ids: list[int], profile: FamilyProfile | None) -> bool:
-    """True when the prompt's last non-whitespace token is the think-start id (Qwen3/Kimi end with ``<think>``,
-    DeepSeek-R1 with ``<think>\n``), i.e. the output must contain exactly one think-end."""
+def opens_think_block(ids: Sequence[int], profile: FamilyProfile | None) -> bool:
+    """THE rule for "this prompt opens a reasoning block that the output must close" (one source of truth).
+
+    True when ``ids`` hold the profile's think-start and no think-end after its last occurrence. ``ids`` is the
+    generation prompt's ids (what ``add_generation_prompt=True`` appended; ``render_prompt`` passes exactly those)
+    or, lacking that, the whole prompt. Whatever follows the think-start does not matter: Qwen3-style
+    ``<|im_start|>assistant\n<think>``, Kimi-K2.5 ``<|im_middle|><think>``, DeepSeek-R1 ``<｜Assistant｜><think>\n``
+    and a template that pre-fills text after ``<think>`` all open the block; Qwen3 ``enable_thinking=False``
+    (``<think>\n\n</think>\n\n``) and Kimi-K2.5 thinking off (``<think></think>``) close it again, and a
+    template without think tokens (Qwen3 default, DeepSeek-V3, Kimi-K2-Thinking) opens none.
+
+    Args: ``ids`` (ints); ``profile`` (None or no think markers = never open).
+    """
     if profile is None or profile.think_start_id is None:
         return False
-    for tid in reversed(ids[-8:]):
-        if tid == profile.think_start_id:
-            return True
-        if tokenizer.decode([tid]).strip():
+    start, end = profile.think_start_id, profile.think_end_id
+    for tid in reversed(ids):
+        if tid == end:
             return False
+        if tid == start:
+            return True
     return False
+
+
+def control_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of the tokenizer's special and added tokens (chat-template structure: ``<|im_start|>``,
+    ``<｜Assistant｜>``, ``<|im_middle|>``, think and tool-call markers, stop ids), as matched atomically in text.
+
+    These are the ids a completion can never legitimately begin by repeating from the prompt's tail, which is the
+    evidence ``serving.protocol.prompt_echo_length`` needs to call an echo an echo when the counts agree.
+    """
+    ids = {int(i) for i in getattr(tokenizer, "all_special_ids", []) if isinstance(i, int)}
+    ids.update(int(i) for i in getattr(tokenizer, "added_tokens_decoder", {}))
+    return frozenset(ids)
+
+
+def _generation_prompt_ids(tokenizer: Any, ids: list[int], generation_prompt: str) -> list[int] | None:
+    """The prompt's last ids that the generation prompt wrote, or None when they cannot be told apart (special
+    tokens are atomic, so the ids of the generation-prompt text alone end the prompt the same way)."""
+    if not generation_prompt:
+        return None
+    tail = list(tokenizer(generation_prompt, add_special_tokens=False)["input_ids"])
+    return tail if tail and ids[-len(tail):] == tail else None
 
 
 def render_prompt(
@@ -149,7 +189,7 @@ def render_prompt(
         tools: OpenAI tool schemas or None.
         enable_thinking: passed to the template only when not None (Qwen3's switch; other templates ignore it).
         max_prompt_tokens: reject longer prompts (None = no limit).
-        profile: the family profile, for the ``ends_with_think_start`` flag.
+        profile: the family profile, for the ``ends_with_think_start`` flag (``opens_think_block``).
     Returns:
         RenderedPrompt.
     Raises:
@@ -192,12 +232,22 @@ def render_prompt(
         raise RenderError(DOUBLE_BOS, f"the prompt starts with two BOS ids ({bos}); the template already writes BOS, so the text must not contain another one")
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         raise RenderError(PROMPT_TOO_LONG, f"{len(ids)} prompt tokens > max_prompt_tokens {max_prompt_tokens}")
+    generation_prompt = text[len(os.path.commonprefix([text, without_gen])):]
+    gen_ids = _generation_prompt_ids(tokenizer, ids, generation_prompt)
+    scope = ids if gen_ids is None else gen_ids  # the whole prompt only when the tail cannot be delimited
+    opens = opens_think_block(scope, profile)
+    after_start: list[int] | None = None
+    if opens:
+        last = len(scope) - 1 - scope[::-1].index(profile.think_start_id)
+        after_start = scope[last + 1:]
     flags = {
         "bos": bool(ids) and bos is not None and ids[0] == bos,
         "has_tools": bool(tools),
         "enable_thinking": enable_thinking,
-        "ends_with_think_start": _ends_with_open_think(tokenizer, ids, profile),
+        "ends_with_think_start": opens,
+        "ids_after_think_start": after_start,
         "tool_arguments_as_string": args_as_string,
-        "generation_prompt": text[len(os.path.commonprefix([text, without_gen])):],
+        "generation_prompt": generation_prompt,
+        "generation_prompt_tokens": None if gen_ids is None else len(gen_ids),
     }
     return RenderedPrompt(prompt_ids=ids, n_prompt_tokens=len(ids), template_hash=t_hash, flags=flags, text=text)

@@ -1,0 +1,140 @@
+"""``tokenized_prompts`` and ``qc_shards`` through Dagster on a DeepSeek-R1 target, over generations shards that
+another producer wrote (not our client): QC must hold every row to every rule itself and name each drop.
+
+The target directory holds DeepSeek-V3's real tokenizer (R1 shares it) with R1's chat template (V3's template with
+the generation prompt ``<｜Assistant｜><think>\\n``, as in deepseek-ai/DeepSeek-R1's tokenizer_config.json) and no
+``config.json``, so the vocab size must come from the tokenizer. The raw prompts are written as ``raw_prompts``
+writes them; the Dagster instance, Parquet files and metadata are real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from eagle_assets.assets.prompts import RAW_SCHEMA, build_prompt_assets
+from eagle_assets.assets.qc import QC_SKIP_REASONS, build_qc_assets
+from eagle_assets.assets.resources import PipelineSettings, TargetModel
+from eagle_assets.generation import GENERATION_SCHEMA
+from eagle_assets.quality.segment import DROP_REASONS
+from eagle_assets.storage import Layout
+from eagle_assets.target_model import load_tokenizer
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DEEPSEEK = SHARED / "tokenizers" / "deepseek-v3"
+KEY = "R1"
+QUESTIONS = ["What is 2+2?", "Name a prime number.", "Is 9 odd?", "Spell cat.", "What is 3*3?", "Say hi.",
+             "What is the capital of Italy?", "Count to three.", "Is 10 even?", "What is 5-2?", "Name a colour."]
+
+
+@pytest.fixture(scope="module")
+def r1_dir(tmp_path_factory) -> Path:
+    if not DEEPSEEK.exists():
+        pytest.skip(f"../shared/data is absent: {DEEPSEEK} not found")
+    d = tmp_path_factory.mktemp("deepseek-r1")
+    os.symlink(DEEPSEEK / "tokenizer.json", d / "tokenizer.json")
+    cfg = json.loads((DEEPSEEK / "tokenizer_config.json").read_text())
+    v3 = cfg["chat_template"]
+    cfg["chat_template"] = v3.replace("{{'<｜Assistant｜>'}}{% endif %}", "{{'<｜Assistant｜><think>\\n'}}{% endif %}")
+    assert cfg["chat_template"] != v3
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def _setup(tmp: Path, r1_dir: Path) -> tuple[dict, Layout, list[dg.AssetsDefinition]]:
+    (tmp / "src.jsonl").write_text("")
+    catalog = {"target": {"model": str(r1_dir)}, "server": {"url": "http://127.0.0.1:9"},
+               "partitions": {KEY: {"sources": [{"path": str(tmp / "src.jsonl"), "format": "messages"}],
+                                    "sampling": {"max_new_tokens": 64},
+                                    "thresholds": {"short_tokens": 5, "min_median_tokens": 0}}}}
+    (tmp / "cat.yaml").write_text(yaml.safe_dump(catalog))
+    resources = {"settings": PipelineSettings(catalog_path=str(tmp / "cat.yaml"), storage_root=str(tmp / "store")),
+                 "target": TargetModel(model=str(r1_dir))}
+    layout = resources["settings"].layout()
+    raw = [{"sample_id": f"p{i}", "messages": json.dumps([{"role": "user", "content": q}]), "tools": None,
+            "reference_reply": None, "source_file": "src.jsonl", "source_row": i} for i, q in enumerate(QUESTIONS)]
+    pq.write_table(pa.Table.from_pylist(raw, schema=RAW_SCHEMA),
+                   layout.stage_dir("raw_prompts", KEY) / "prompts.parquet")
+    partitions = dg.StaticPartitionsDefinition([KEY])
+    return resources, layout, [*build_prompt_assets(partitions), *build_qc_assets(partitions)]
+
+
+def _materialize(assets, resources, name: str, instance, raise_on_error: bool = True):
+    asset = next(a for a in assets if a.key.to_user_string() == name)
+    return dg.materialize([asset], resources=resources, partition_key=KEY, instance=instance,
+                          raise_on_error=raise_on_error)
+
+
+def test_qc_holds_rows_of_any_producer_to_every_rule(tmp_path, r1_dir):
+    resources, layout, assets = _setup(tmp_path, r1_dir)
+    tok = load_tokenizer(r1_dir)
+    enc = lambda text: list(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    with dg.instance_for_test() as instance:
+        _materialize(assets, resources, "tokenized_prompts", instance)
+        prompts = {r["sample_id"]: r for r in
+                   pq.read_table(layout.stage_dir("tokenized_prompts", KEY) / "prompts.parquet").to_pylist()}
+        # item 1: the R1 prompt ends <think>\n, the think-start is not the last id, and the prompt opens the block
+        assert all(p["prompt_opens_think"] for p in prompts.values())
+        assert all(p["prompt_ids"][-3:] == [128804, 128798, 201] for p in prompts.values())
+
+        eos = "<｜end▁of▁sentence｜>"
+        good = enc("Okay, 2 and 2 make 4.\n</think>\n\n4" + eos)
+        outputs = {
+            "p0": (good, "stop", None),  # kept
+            "p1": (enc("\n</think>\n\nOK" + eos), "stop", None),  # kept: empty reasoning, one-word answer
+            "p2": (enc("Okay, no end." + eos), "stop", "missing_think_end"),
+            "p3": (enc("A.</think>B.</think>C." + eos), "stop", "multiple_think_end"),
+            "p4": (enc("Okay.\n</think>\n\n" + eos), "stop", "empty_answer"),
+            "p5": (enc("Okay, 2 and 2 make"), "length", "truncated_in_reasoning"),
+            "p6": (good[:3] + [len(tok)] + good[4:], "stop", "id_out_of_vocab"),  # item 5: no config.json
+            "p7": (prompts["p7"]["prompt_ids"][-5:] + good, "stop", "prompt_echo"),  # counted echo
+            "p8": (good + enc("<｜User｜>And 3+3?<｜Assistant｜>6" + eos), "stop", "stop_token_mid_output"),
+            "p9": (enc("Okay.\n</think>\n\nYes") + [128806, 128808] + enc("f") + [128809] + enc(eos), "stop",
+                   "unbalanced_tool_call"),
+        }
+        rows = []
+        for sid, (ids, finish, _) in outputs.items():
+            rows.append({"sample_id": sid, "output_ids": ids, "finish_reason": finish,
+                         "matched_stop": 1 if finish == "stop" else None, "completion_tokens": len(ids),
+                         "prompt_tokens": len(prompts[sid]["prompt_ids"]), "latency_s": 0.1, "attempts": 1,
+                         "sampling_params": json.dumps({"max_new_tokens": 64})})
+        rows.append(dict(rows[0]))  # the same sample twice (two producers)
+        rows.append(dict(rows[0], sample_id="gone"))  # a prompt no longer in the partition
+        gen_dir = layout.stage_dir("generations", KEY)
+        pq.write_table(pa.Table.from_pylist(rows, schema=GENERATION_SCHEMA), gen_dir / "shard-00000.parquet")
+        # an older producer's shard: fewer columns, no counts, no matched stop, no sampling params
+        old = pa.table({"sample_id": ["p10"], "output_ids": pa.array([good], pa.list_(pa.int64())),
+                        "finish_reason": ["stop"]})
+        pq.write_table(old, gen_dir / "shard-00001.parquet")
+
+        # most rows are broken: the blocking token_structure check fails, after the shards and metadata are written
+        result = _materialize(assets, resources, "qc_shards", instance, raise_on_error=False)
+
+    meta = result.asset_materializations_for_node("qc_shards")[0].metadata
+    counts = meta["drop_reason_counts"].value
+    expected = {r: 0 for r in (*DROP_REASONS, *QC_SKIP_REASONS)}
+    for _, _, reason in outputs.values():
+        if reason:
+            expected[reason] += 1
+    expected.update(duplicate_row=1, stale_prompt=1)
+    assert counts == expected
+    table = meta["drop_reasons"].value
+    assert all(f"| {r} |" in table for r in (*DROP_REASONS, *QC_SKIP_REASONS))  # zeros listed too
+    assert meta["vocab_size"].value == len(tok) == 128815
+    qc_file = layout.stage_dir("qc_shards", KEY) / "shard-00000.parquet"
+    qc = {r["sample_id"]: r for r in pq.read_table(qc_file).to_pylist()}
+    assert set(qc) == {"p0", "p1", "p10"}
+    assert qc["p0"]["reasoning_tokens"] == len(enc("Okay, 2 and 2 make 4.\n")) and qc["p0"]["answer_tokens"] == 2
+    assert qc["p0"]["input_ids"] == prompts["p0"]["prompt_ids"] + good
+    assert qc["p1"]["reasoning_tokens"] == 1 and qc["p1"]["answer_tokens"] == len(enc("\n\nOK"))
+    check = next(e.asset_check_evaluation_data for e in result.all_events
+                 if e.event_type_value == "ASSET_CHECK_EVALUATION"
+                 and e.asset_check_evaluation_data.check_name == "token_structure")
+    assert check.metadata["drop_reasons"].value == expected and not check.passed
