@@ -1,8 +1,10 @@
 """Fuzzing raw_prompts' loading path: whatever a source file holds, no record crashes it and no kept row is malformed.
 
-Records are drawn per layout (each layout's own keys, filled with well-formed and hostile values: lone surrogates,
-NaN and Infinity, huge integers, control-token strings, wrong types, deep nesting) plus raw lines that are not JSON
-at all (bytes that are not UTF-8, truncated JSON, integers past Python's digit limit). Each file goes through
+Records are drawn per layout: a well-formed record of that layout with faults planted at random places (lone
+surrogates, NaN and Infinity, huge integers, control-token strings, wrong types, deleted keys), random JSON values,
+and raw lines that are not JSON at all (bytes that are not UTF-8, truncated JSON, integers past Python's digit
+limit, nesting deeper than the parser recurses); a second test plants exactly one surrogate or NaN in every
+record, so those faults are met in every example, not by chance. Each file goes through
 ``collect_prompt_rows`` -- the whole per-record path of the ``raw_prompts`` asset -- with ``auto`` and with the
 layout named, and both tables are written with the asset's Parquet schemas. Kept rows are checked here by rules
 written independently of the loaders' own checks. Seeded (``derandomize``), so a failure reproduces.

@@ -157,6 +157,14 @@ def test_a_full_run_leaves_nothing_unsynced_and_nothing_to_do(pipeline):
                                                                     instance=p.instance).success
     assert unsynced(p.instance, p.defs.resolve_asset_graph()) == {}
     assert automate(p) == []
+    # Nor does materializing one asset alone in each partition (as the UI's asset page does), without observing
+    # its inputs in the same run: the partitions' data versions are their files' content.
+    job = p.defs.resolve_implicit_global_asset_job_def()
+    for key in KEYS:
+        assert job.execute_in_process(instance=p.instance, partition_key=key,
+                                      asset_selection=[dg.AssetKey("raw_prompts")]).success
+    assert unsynced(p.instance, p.defs.resolve_asset_graph()) == {}
+    assert automate(p) == []
 
 
 def test_a_sampling_edit_marks_and_reruns_only_that_partitions_generations(pipeline):

@@ -471,7 +471,7 @@ def test_chat_template_edit_is_observed_and_shown_unsynced_in_chromium(deploymen
             tag.hover()  # the tag's popover names the cause
             sync_api.expect(page.get_by_text("1 upstream data version change")).to_be_visible()
             sync_api.expect(page.locator("body")).to_contain_text(
-                re.compile(r"1 upstream data version change\s+target_tokenizer\s+has a new data version"))
+                re.compile(r"1 upstream data version change\s*target_tokenizer\s*has a new data version"))
             page.wait_for_timeout(500)
             page.screenshot(path=str(shots / "ui_unsynced.png"))
         finally:

@@ -402,6 +402,10 @@ def test_feature_cache_modes_agree(demo_target, served, rows, tmp_path):
     for mode in ("disk", "none"):
         for (a, fa, ga), (b, fb, gb) in zip(want, caches[mode].get(batch)):
             assert torch.equal(a, b) and torch.equal(ga, gb) and torch.equal(fa.teacher_ids, fb.teacher_ids)
+    # a renumbered view (how the trainer drops refused rows before batching) serves the same features
+    view = caches["disk"].subset([5, 3])
+    assert [len(r.ids) for r in view.rows] == [len(prepared[5].ids), len(prepared[3].ids)]
+    assert torch.equal(view.get([1])[0][0], want[0][0]) and torch.equal(view.get([0])[0][0], want[2][0])
 
 
 def test_workers_fill_one_cache_together(demo_target, served, rows, tmp_path):
@@ -411,3 +415,11 @@ def test_workers_fill_one_cache_together(demo_target, served, rows, tmp_path):
     requests = source.stats.requests
     assert [f.row_id for f in served_features(rows, source, cache_dir=tmp_path)] == [str(i) for i in range(len(rows))]
     assert source.stats.requests == requests  # the union of both workers' shards is the whole cache
+
+
+def test_source_without_url_until_a_server_is_launched(demo_target, served, rows):
+    source = ServedFeatureSource(str(demo_target), ServedFeaturesSpec(source="served"))
+    with pytest.raises(ServedFeaturesError, match="--enable-return-aux-hidden-states"):
+        list(served_features(rows[:1], source))
+    source.use_urls(served.url + "/generate")
+    assert [type(f).__name__ for f in served_features(rows[:2], source)] == ["RowFeatures", "RowFeatures"]

@@ -152,7 +152,7 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
             raise _stopped_failure(key, stats, out, monitor)
         live = _live_metadata(monitor.snapshot(), out / LIVE_STATS_FILE) if monitor is not None else {}
         return dg.MaterializeResult(
-            data_version=dg.DataVersion(directory_content_version(out, pattern="shard-*.parquet")),
+            data_version=dg.DataVersion(directory_content_version(out, ("shard-*.parquet",))),
             metadata={
                 "dagster/row_count": stats.succeeded + stats.skipped_done,
                 **{k: (dg.MetadataValue.json(v) if isinstance(v, dict) else v) for k, v in summary.items()},

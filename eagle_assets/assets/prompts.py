@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
+from eagle_assets.assets.versions import directory_content_version
 from eagle_assets.formats.rows import RAW_SCHEMA, REJECT_SCHEMA, collect_prompt_rows
 from eagle_assets.storage import write_parquet_atomic
 
@@ -76,6 +77,7 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         if not rows:
             context.log.warning(availability + "; zero rows flow on to tokenized_prompts, generations and qc_shards")
         yield dg.MaterializeResult(
+            data_version=dg.DataVersion(directory_content_version(out, ("prompts.parquet", "rejects.parquet"))),
             metadata={
                 "dagster/row_count": len(rows),
                 "available_records": len(kept),
@@ -135,6 +137,7 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         write_parquet_atomic(pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA), out / "rejects.parquet")
         lengths = sorted(r["n_prompt_tokens"] for r in rows)
         return dg.MaterializeResult(
+            data_version=dg.DataVersion(directory_content_version(out, ("prompts.parquet", "rejects.parquet"))),
             metadata={
                 "dagster/row_count": len(rows),
                 "rejected": len(rejects),

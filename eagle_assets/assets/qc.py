@@ -9,43 +9,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
+from eagle_assets.assets.versions import directory_content_version
 from eagle_assets.quality.lengths import format_table, length_report as compute_length_report
 from eagle_assets.quality.plots import length_histogram_png, png_markdown
-from eagle_assets.quality.segment import DROP_REASONS, FLAGS, segment_row
+from eagle_assets.quality.qc_pass import QC_SCHEMA, QC_SKIP_REASONS, ROWS_SCHEMA, qc_partition  # noqa: F401
+from eagle_assets.quality.segment import DROP_REASONS, FLAGS
 from eagle_assets.quality.thresholds import Outcome, evaluate_response_length, evaluate_token_structure, reason_levels
 from eagle_assets.storage import shard_paths, write_json_atomic, write_parquet_atomic
 
-QC_SCHEMA = pa.schema(
-    [
-        ("sample_id", pa.string()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.int8())),
-        ("n_prompt_tokens", pa.int32()),
-        ("reasoning_tokens", pa.int32()),
-        ("answer_tokens", pa.int32()),
-        ("tool_call_tokens", pa.int32()),
-        ("flags", pa.list_(pa.string())),
-    ]
-)
-ROWS_SCHEMA = pa.schema(
-    [
-        ("partition", pa.string()),
-        ("sample_id", pa.string()),
-        ("completion_tokens", pa.int32()),
-        ("reasoning_tokens", pa.int32()),
-        ("answer_tokens", pa.int32()),
-        ("tool_call_tokens", pa.int32()),
-        ("finish_reason", pa.string()),
-        ("max_new_tokens", pa.int32()),
-        ("kept", pa.bool_()),
-        ("short", pa.bool_()),
-        ("drop_reason", pa.string()),
-    ]
-)
 QC_STATUS_FILE = "qc_status.json"
-# Rows QC does not segment, counted beside DROP_REASONS: generated from a prompt that is no longer in the partition,
-# or a second row of a sample id that already has one (two producers wrote the same sample).
-QC_SKIP_REASONS: tuple[str, ...] = ("stale_prompt", "duplicate_row")
 
 
 def blank_token_ids(tokenizer) -> frozenset[int]:
@@ -115,71 +87,32 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
         # QC holds every row to the client's rules itself: shards may come from any producer
         vocab_size = target_vocab_size(model_dir, tokenizer)
         control = control_token_ids(tokenizer)
-        prompts = {
-            r["sample_id"]: r
-            for r in pq.read_table(layout.stage_dir("tokenized_prompts", key) / "prompts.parquet").to_pylist()
-        }
-        # shard by shard, not one concatenated table: shards of other producers may differ in columns and types
-        # (int64 ids, no matched_stop), and each row is held to the rules on its own
-        gen_rows = (g for path in shard_paths(layout.stage_dir("generations", key))
-                    for g in pq.read_table(path).to_pylist())
+        # shard by shard and batch by batch (quality.qc_pass): shards of other producers may differ in columns and
+        # types (int64 ids, no matched_stop); each row is held to the rules on its own
+        prompts = pq.read_table(layout.stage_dir("tokenized_prompts", key) / "prompts.parquet")
         max_new = spec.sampling.max_new_tokens
-        kept_rows, all_rows = [], []
-        reasons: Counter = Counter()
-        flags_count: Counter = Counter()
-        seen: set[str] = set()
-        for g in gen_rows:
-            prompt = prompts.get(g.get("sample_id"))
-            if prompt is None:  # generated from an older prompt set; not part of this partition any more
-                reasons["stale_prompt"] += 1
-                continue
-            if g["sample_id"] in seen:  # one training row per sample, whoever wrote the shards
-                reasons["duplicate_row"] += 1
-                continue
-            seen.add(g["sample_id"])
-            opens = prompt.get("prompt_opens_think")
-            if opens is None:  # tokenized by a version without the column: the renderer's rule on the prompt
-                opens = opens_think_block(prompt["prompt_ids"], profile)
-            seg = segment_row(
-                g, profile, prompt_opens_think=bool(opens), prompt_ids=prompt["prompt_ids"],
-                tool_call_in_reasoning=spec.tool_call_in_reasoning, blank_ids=blank, vocab_size=vocab_size,
-                control_ids=control,
-            )
-            n_out = len(g.get("output_ids") or ())
-            short = seg.kept and n_out < thresholds.get("short_tokens", 300)
-            all_rows.append({
-                "partition": key, "sample_id": g["sample_id"], "completion_tokens": n_out,
-                "reasoning_tokens": seg.reasoning_tokens, "answer_tokens": seg.answer_tokens,
-                "tool_call_tokens": seg.tool_call_tokens, "finish_reason": g.get("finish_reason"),
-                "max_new_tokens": max_new, "kept": seg.kept, "short": short, "drop_reason": seg.drop_reason,
-            })
-            flags_count.update(seg.flags)
-            if not seg.kept:
-                reasons[seg.drop_reason] += 1
-                continue
-            ids = list(prompt["prompt_ids"]) + list(g["output_ids"])
-            kept_rows.append({
-                "sample_id": g["sample_id"], "input_ids": ids,
-                "loss_mask": [0] * len(prompt["prompt_ids"]) + [1] * n_out,
-                "n_prompt_tokens": len(prompt["prompt_ids"]), "reasoning_tokens": seg.reasoning_tokens,
-                "answer_tokens": seg.answer_tokens, "tool_call_tokens": seg.tool_call_tokens,
-                "flags": list(seg.flags),
-            })
         out = layout.stage_dir("qc_shards", key)
-        write_parquet_atomic(pa.Table.from_pylist(kept_rows, schema=QC_SCHEMA), out / "shard-00000.parquet")
-        write_parquet_atomic(pa.Table.from_pylist(all_rows, schema=ROWS_SCHEMA), out / "rows.parquet")
-
-        lengths = [r["completion_tokens"] for r in all_rows]
-        structure = evaluate_token_structure([r["drop_reason"] for r in all_rows], thresholds)
-        length = evaluate_response_length(lengths, [r["finish_reason"] for r in all_rows], thresholds)
+        result = qc_partition(
+            shard_paths(layout.stage_dir("generations", key)), prompts, out, profile, partition=key,
+            blank_ids=blank, vocab_size=vocab_size, control_ids=control,
+            tool_call_in_reasoning=spec.tool_call_in_reasoning, short_tokens=thresholds.get("short_tokens", 300),
+            max_new_tokens=max_new,
+        )
+        del prompts
+        reasons: Counter = result.reasons
+        flags_count: Counter = result.flags
+        drop_reasons = result.drop_reasons()
+        lengths = result.completion_tokens.tolist()
+        structure = evaluate_token_structure(drop_reasons, thresholds)
+        length = evaluate_response_length(lengths, result.finish_reason, thresholds)
         write_json_atomic(
             {"partition": key, "token_structure": structure.level, "response_length": length.level,
-             "passed": structure.passed and length.passed, "kept": len(kept_rows), "rows": len(all_rows)},
+             "passed": structure.passed and length.passed, "kept": result.kept, "rows": result.rows,
+             "shards": len(result.shards)},
             out / QC_STATUS_FILE,
         )
         png = length_histogram_png(
-            {"reasoning": [r["reasoning_tokens"] for r in all_rows], "answer": [r["answer_tokens"] for r in all_rows],
-             "total": lengths},
+            {"reasoning": result.reasoning_tokens, "answer": result.answer_tokens, "total": result.completion_tokens},
             f"{key}: response lengths", short_tokens=thresholds.get("short_tokens"), cap=max_new,
         )
         (out / "lengths.png").write_bytes(png)
@@ -189,12 +122,14 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
         all_reasons = {r: reasons.get(r, 0) for r in (*DROP_REASONS, *QC_SKIP_REASONS)}
         all_flags = {f: flags_count.get(f, 0) for f in FLAGS}
         yield dg.MaterializeResult(
+            data_version=dg.DataVersion(directory_content_version(out, ("*.parquet", QC_STATUS_FILE))),
             metadata={
-                "dagster/row_count": len(kept_rows),
-                "generated": len(all_rows),
-                "kept": len(kept_rows),
+                "dagster/row_count": result.kept,
+                "generated": result.rows,
+                "kept": result.kept,
                 "dropped": sum(reasons.values()),
-                "short_but_well_formed": sum(1 for r in all_rows if r["short"]),
+                "short_but_well_formed": result.short,
+                "shards": len(result.shards),
                 "drop_reasons": dg.MetadataValue.md(drop_md),
                 "drop_reason_counts": dg.MetadataValue.json(all_reasons),
                 "flags": dg.MetadataValue.json(all_flags),

@@ -54,6 +54,18 @@ def row_splits(sample_ids: list[str], training) -> dict[str, str]:
     return out
 
 
+def _read_qc_shards(directory, columns: list[str]):
+    """Every ``shard-NNNNN.parquet`` of a partition's QC output (``quality.qc_pass`` writes bounded shards)."""
+    import pyarrow as pa
+
+    from eagle_assets.storage import shard_paths
+
+    paths = shard_paths(directory)
+    if not paths:
+        raise FileNotFoundError(f"no QC shards in {directory}: materialize qc_shards for this partition first")
+    return pa.concat_tables([pq.read_table(p, columns=columns) for p in paths])
+
+
 def load_split_rows(settings: PipelineSettings, keys: list[str], split: str):
     """Rows (sample_id, input_ids int32 [T], loss_mask int8 [T], partition) of ``keys``' QC shards on one split
     (one of :data:`SPLITS`), in shard order."""
@@ -63,8 +75,7 @@ def load_split_rows(settings: PipelineSettings, keys: list[str], split: str):
     layout = settings.layout()
     out = []
     for key in keys:
-        t = pq.read_table(layout.base / "qc_shards" / key / "shard-00000.parquet",
-                          columns=["sample_id", "input_ids", "loss_mask"])
+        t = _read_qc_shards(layout.base / "qc_shards" / key, ["sample_id", "input_ids", "loss_mask"])
         sids = t.column("sample_id").to_pylist()
         splits = row_splits(sids, training)
         for sid, ids, mask in zip(sids, t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist()):
@@ -88,8 +99,7 @@ def mix_candidates(settings: PipelineSettings, keys: list[str]):
     training = settings.catalog().training
     out = []
     for key in keys:
-        t = pq.read_table(settings.layout().base / "qc_shards" / key / "shard-00000.parquet",
-                          columns=["sample_id", "input_ids", "n_prompt_tokens"])
+        t = _read_qc_shards(settings.layout().base / "qc_shards" / key, ["sample_id", "input_ids", "n_prompt_tokens"])
         lengths = pc.subtract(pc.list_value_length(t.column("input_ids")), t.column("n_prompt_tokens")).to_pylist()
         sids = t.column("sample_id").to_pylist()
         splits = row_splits(sids, training)

@@ -15,10 +15,12 @@ The observation functions, the ``inputs_sensor`` and ``generations``' shard reus
 fact has one source.
 
 Code versions (:data:`CODE_VERSIONS`) are the version of each asset's own logic: bump an asset's entry when the same
-inputs would now give different rows (a changed render rule, a new QC drop reason), never for refactors. With a
-code version set, Dagster's default data version of a materialization is a hash of the code version and the input
-data versions (``compute_logical_data_version``), so re-materializing unchanged inputs leaves everything downstream
-in sync.
+inputs would now give different rows (a changed render rule, a new QC drop reason), never for refactors.
+
+Data versions of materializations: the partitioned assets (``raw_prompts``, ``tokenized_prompts``, ``generations``,
+``qc_shards``) report the sha256 of their files (:func:`directory_content_version`, which says why); the others get
+Dagster's default, a hash of the code version and the input data versions (``compute_logical_data_version``). Either
+way, re-materializing unchanged inputs leaves everything downstream in sync.
 """
 
 from __future__ import annotations
@@ -301,10 +303,17 @@ def record_generation_inputs(out_dir: Path, fingerprint: dict) -> None:
     write_json_atomic(fingerprint, Path(out_dir) / GENERATION_INPUTS_FILE)
 
 
-def directory_content_version(directory: Path, names: list[str] | None = None, pattern: str = "*") -> str:
-    """sha256 hex over (name, sha256 of bytes) of the files in ``directory`` (``names``, or those matching
-    ``pattern``), sorted by name: the data version of an asset whose rows are its files."""
+def directory_content_version(directory: Path, patterns: tuple[str, ...]) -> str:
+    """sha256 hex over (name, sha256 of bytes) of the files in ``directory`` matching any of ``patterns`` (glob),
+    sorted by name: the data version of an asset whose rows are these files.
+
+    Why the partitioned assets carry content versions instead of Dagster's default (a hash of the code version and
+    the input data versions): for a partitioned observable dependency that was not observed in the same run,
+    Dagster 1.13 records the latest observation of *any* partition as the input data version (the asset record's
+    ``last_observation_record``; ``dagster/_core/execution/context/data_version_cache.py``, whose partition lookup
+    reads materializations only, "TODO: this needs to account for observations also"), so a default version would
+    change when another partition's input was observed. Content versions also keep downstream in sync when a
+    changed input leaves the files byte-identical (e.g. a threshold no row is near)."""
     directory = Path(directory)
-    paths = [directory / n for n in names] if names is not None else sorted(directory.glob(pattern))
-    entries = [[p.name, file_sha256(p)] for p in sorted(paths) if p.is_file()]
-    return canonical_digest(entries)
+    paths = sorted({p for pattern in patterns for p in directory.glob(pattern) if p.is_file()})
+    return canonical_digest([[p.name, file_sha256(p)] for p in paths])

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -184,13 +185,14 @@ class ServedFeatureSource:
     Args:
         target_config: the target's ``config.json`` (a dict, a ``PretrainedConfig``, or the model directory): its
             layer count, hidden size and SGLang's layer-id rule for it. Only the config is read.
-        settings: :class:`ServedFeaturesSpec` (``url`` required here).
+        settings: :class:`ServedFeaturesSpec`. Without ``url``, call :meth:`use_urls` before fetching (e.g. with
+            the URL of a server launched with :meth:`aux_capture`'s settings).
         capture_ids: capture ids the drafter is trained on (``training.aux_layer_ids``; None = SGLang's default
             ``[2, L // 2, L - 3]``).
         target_name: the target's identity recorded in shard specs (path or hub id).
 
     Raises:
-        ServedFeaturesError: no URL, or an unreadable config.
+        ServedFeaturesError: an unreadable config.
         AuxCaptureError: capture ids SGLang could not be asked for.
     """
 
@@ -198,13 +200,8 @@ class ServedFeatureSource:
                  target_name: str = "", log: Callable[[str], None] | None = None):
         config = _load_config(target_config)
         self.settings = settings
-        self.urls = [u.rstrip("/").removesuffix("/generate") for u in settings.urls]
-        if not self.urls:
-            raise ServedFeaturesError(
-                "training.features.url is not set: give the URL of a server launched with "
-                "--speculative-algorithm EAGLE3 --enable-return-aux-hidden-states (or launch one with "
-                "ServedFeatureSource.aux_capture())"
-            )
+        self.urls: list[str] = []
+        self.use_urls(settings.urls)
         self.num_layers = num_layers_of(config)
         self.hidden_size = int(_cfg(text_config(config), "hidden_size"))
         self.vocab_size = int(_cfg(text_config(config), "vocab_size"))
@@ -225,6 +222,7 @@ class ServedFeatureSource:
             storage_dtype=settings.storage_dtype,
         )
         self.stats = ServedFeatureStats()
+        self._stats_lock = threading.Lock()  # fetch threads count requests, bytes and disagreements
         self.log = log or (lambda msg: None)
         self._headers = {"Content-Type": "application/json"}
         if settings.api_key_env:
@@ -232,9 +230,22 @@ class ServedFeatureSource:
             if not key:
                 raise ServedFeaturesError(f"api_key_env={settings.api_key_env!r} names an unset or empty variable")
             self._headers["Authorization"] = f"Bearer {key}"
-        self._checked = False
 
     # ------------------------------------------------------------------------------------------- the server
+    def use_urls(self, urls: str | Sequence[str]) -> None:
+        """Send requests to ``urls`` (base URLs; a trailing ``/generate`` is accepted); checked again on next use."""
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        self.urls = [u.rstrip("/").removesuffix("/generate") for u in urls]
+        self._checked = False
+
+    def _need_urls(self) -> None:
+        if not self.urls:
+            raise ServedFeaturesError(
+                "training.features.url is not set: give the URL of a server launched with "
+                f"{' '.join(self.aux_capture().server_args('sglang'))}, or launch one with "
+                "launch_server(..., aux_capture=source.aux_capture()) and call source.use_urls(server.url)"
+            )
+
     def aux_capture(self, max_row_tokens: int | None = None) -> AuxCapture:
         """Launch settings for a server that serves exactly these features (pass to ``launch_server``)."""
         ids = tuple(self.flag_layer_ids) if self.flag_layer_ids is not None else None
@@ -247,6 +258,7 @@ class ServedFeatureSource:
         Raises:
             ServedFeaturesError: capture mode off, other capture layers, or the server unreachable.
         """
+        self._need_urls()
         info: dict[str, Any] = {}
         for url in self.urls:
             info = self._server_info(url)
@@ -307,10 +319,15 @@ class ServedFeatureSource:
         }
         return json.dumps(body).encode()
 
+    def _add(self, **counts: int) -> None:
+        with self._stats_lock:
+            for name, n in counts.items():
+                setattr(self.stats, name, getattr(self.stats, name) + n)
+
     def _post(self, url: str, body: bytes, rid: str) -> bytes:
         delay = 0.5
         for attempt in range(1, self.settings.max_attempts + 1):
-            self.stats.requests += 1
+            self._add(requests=1)
             try:
                 req = urllib.request.Request(url + "/generate", data=body, headers=self._headers, method="POST")
                 with urllib.request.urlopen(req, timeout=self.settings.timeout_s) as resp:
@@ -333,7 +350,7 @@ class ServedFeatureSource:
                 raise ServedFeaturesError(
                     f"{url}/generate failed {attempt} times for row {rid} (last: {error}); is the server up?"
                 )
-            self.stats.retries += 1
+            self._add(retries=1)
             time.sleep(delay)
             delay = min(delay * 2, 30.0)
         raise AssertionError("unreachable")
@@ -345,10 +362,12 @@ class ServedFeatureSource:
         Raises:
             ServedFeaturesError: a server-level problem (see the class doc).
         """
-        url = url or self.urls[0]
+        if url is None:
+            self._need_urls()
+            url = self.urls[0]
         try:
             raw = self._post(url, self.request_body(input_ids, row_id), row_id)
-            self.stats.reply_bytes += len(raw)
+            self._add(reply_bytes=len(raw))
             return self.parse_reply(row_id, input_ids, loss_mask, raw)
         except _Refused as r:
             return RefusedRow(row_id, r.reason, r.detail)
@@ -434,13 +453,13 @@ class ServedFeatureSource:
         lp, ids = lp_all[q], ids_all[q]
         server_greedy = target_greedy[q]
         if self.spec.teacher == "hard":
-            self.stats.hard_label_disagreements += int((server_greedy != greedy_row).sum())
+            self._add(hard_label_disagreements=int((server_greedy != greedy_row).sum()))
             teacher_ids = greedy_row[:, None]
             teacher_lp = np.zeros((len(q), 1), dtype=np.float32)
             greedy = greedy_row
         else:
             teacher_ids, teacher_lp, greedy = ids, lp, server_greedy
-        self.stats.teacher_positions += int(len(q))
+        self._add(teacher_positions=int(len(q)))
         return RowFeatures(
             row_id=row_id, input_ids=input_ids, aux_hidden=torch.from_numpy(block), teacher_positions=q,
             teacher_ids=torch.from_numpy(np.ascontiguousarray(teacher_ids)),
@@ -716,6 +735,18 @@ class ServedFeatureCache:
     def usable(self) -> list[int]:
         """Indices of the rows that have features."""
         return [i for i in range(len(self.rows)) if i not in self.refused]
+
+    def subset(self, indices: Sequence[int]) -> "ServedFeatureCache":
+        """A view on rows ``indices`` (e.g. :meth:`usable`), renumbered ``0..len - 1``, sharing the fetched
+        features: build the trainer's batches over ``[rows[i] for i in indices]`` and ask this view."""
+        view = object.__new__(ServedFeatureCache)
+        view.rows = [self.rows[i] for i in indices]
+        view.source, view.mode, view.draft_index = self.source, self.mode, self.draft_index
+        view._arrays = [self._arrays[i] for i in indices]
+        view.refused = {n: self.refused[i] for n, i in enumerate(indices) if i in self.refused}
+        view._memory = {n: self._memory[i] for n, i in enumerate(indices) if i in self._memory}
+        view._where = {n: self._where[i] for n, i in enumerate(indices) if i in self._where}
+        return view
 
     def get(self, batch: Sequence[int]) -> list[tuple[torch.Tensor, RowFeatures, torch.Tensor]]:
         """Features of the rows ``batch`` (indices into ``rows``), in that order.

@@ -19,21 +19,31 @@ is set, may decide to stop the partition:
   broken over this run's rows alone. So a rerun after a server fix is not stopped by the broken rows of the earlier
   run, and an unfixed rerun stops again after its warm-up.
 
-Memory: a few ints and the sample id per row (lists), fine for partitions of up to a few 100k rows. An evaluation
-costs O(rows) (a sort of the lengths), once per ``report_every_rows`` rows.
+Cost: constant per row, whatever the partition's size. Rows are queued by ``observe`` and segmented in batches
+(``quality.segment_batch.segment_rows``, the vectorised ``segment_row``) when figures are read; the figures are
+counters (rows, drops per reason, truncated, under short) and exact histograms of the integer lengths
+(``quality.running.LengthHistogram``), judged by ``quality.thresholds``' rules from counts
+(``token_structure_outcome`` / ``response_length_outcome``); the example ids are bounded deques and a heap of the
+``example_ids`` shortest rows. An evaluation costs O(longest length), not O(rows).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import Counter, deque
-from dataclasses import dataclass
-from statistics import median
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from eagle_assets.catalog import LiveSpec
-from eagle_assets.quality.segment import DROP_REASONS, Segmentation, segment_row
-from eagle_assets.quality.thresholds import Finding, Outcome, evaluate_response_length, evaluate_token_structure
+from eagle_assets.quality.running import LengthHistogram
+from eagle_assets.quality.segment import DROP_REASONS, Segmentation
+from eagle_assets.quality.segment_batch import KEPT, segment_rows
+from eagle_assets.quality.thresholds import Finding, Outcome, response_length_outcome, token_structure_outcome
+
+# rows segmented together when figures are read (the seed of a large partition is segmented in slices of this)
+SEGMENT_BATCH_ROWS = 4096
 
 LEVELS = ("OK", "WARN", "ERROR")
 # What to do about a broken figure; the stop message quotes it.
@@ -75,14 +85,27 @@ def _as_dict(obj: Any) -> dict[str, Any]:
     return dict(obj)
 
 
-def _quantiles(values: Sequence[int]) -> dict[str, float]:
+def _quantiles(hist: LengthHistogram) -> dict[str, float]:
     """p10 / median / p90 (tokens) by the index rule of ``evaluate_response_length``; zeros when empty."""
-    if not values:
-        return {"p10": 0.0, "median": 0.0, "p90": 0.0}
-    ordered = sorted(values)
-    n = len(ordered)
-    return {"p10": float(ordered[int(0.1 * (n - 1))]), "median": float(median(ordered)),
-            "p90": float(ordered[int(0.9 * (n - 1))])}
+    return {"p10": hist.index_quantile(0.1), "median": hist.median(), "p90": hist.index_quantile(0.9)}
+
+
+@dataclass
+class _Figures:
+    """Running counts of a set of rows (the partition, or this run)."""
+
+    rows: int = 0
+    truncated: int = 0
+    drops: Counter = field(default_factory=Counter)
+    tokens: LengthHistogram = field(default_factory=LengthHistogram)
+    reasoning: LengthHistogram = field(default_factory=LengthHistogram)  # kept rows only
+    answer: LengthHistogram = field(default_factory=LengthHistogram)  # kept rows only
+
+    def outcomes(self, thresholds: Mapping[str, Any], short_tokens: int) -> tuple[Outcome, Outcome]:
+        structure = token_structure_outcome(self.rows, self.drops, thresholds)
+        length = response_length_outcome(self.rows, self.tokens.median(), self.tokens.index_quantile(0.1),
+                                          self.tokens.below(short_tokens), self.truncated, thresholds)
+        return structure, length
 
 
 def _is_stopping(finding: Finding) -> bool:
@@ -212,16 +235,12 @@ class LiveQualityMonitor:
         self.vocab_size = vocab_size
         self.control_ids = None if control_ids is None else frozenset(control_ids)
         self.short_tokens = int(self.thresholds.get("short_tokens") or 300)
-        # one entry per row, rows of earlier runs first (seed), then this run's rows (observe)
-        self._ids: list[str] = []
-        self._tokens: list[int] = []  # completion tokens = len(output_ids)
-        self._finish: list[str] = []
-        self._drop: list[str | None] = []
-        self._reasoning: list[int] = []  # kept rows only
-        self._answer: list[int] = []  # kept rows only
-        self._drop_counts: Counter = Counter()
+        self._all, self._run = _Figures(), _Figures()  # every row; this run's rows (observe) only
+        self._pending: list[tuple[Mapping[str, Any], bool, Sequence[int] | None, bool]] = []  # queued rows
+        self._n = 0  # rows counted (queued ones included)
         self._k = self.live.example_ids
         self._recent: dict[str, deque] = {}  # "dropped", "truncated" or a drop reason -> latest sample ids
+        self._shortest: list[tuple[int, int, str]] = []  # max-heap of (-tokens, -row, sid): the k shortest rows
         self.seeded = 0
         self.stale_rows = 0
         self._last_report = 0
@@ -234,12 +253,12 @@ class LiveQualityMonitor:
     @property
     def rows(self) -> int:
         """Rows counted so far (earlier runs + this run)."""
-        return len(self._ids)
+        return self._n
 
     @property
     def run_rows(self) -> int:
         """Rows of this run (fed by ``observe``)."""
-        return len(self._ids) - self.seeded
+        return self._n - self.seeded
 
     @property
     def warmed_up(self) -> bool:
@@ -254,41 +273,76 @@ class LiveQualityMonitor:
             raise RuntimeError("LiveQualityMonitor.seed must be called before the first observe()")
         before = self.rows
         for row in rows:
-            self._add(row)
+            self._queue(row, this_run=False)
+            if len(self._pending) >= SEGMENT_BATCH_ROWS:
+                self.flush()
+        self.flush()
         self.seeded = self.rows
         return self.rows - before
 
-    def observe(self, row: Mapping[str, Any]) -> Segmentation | None:
-        """Count one row of this run; returns its segmentation (None for a row of a stale prompt)."""
-        return self._add(row)
+    def observe(self, row: Mapping[str, Any]) -> None:
+        """Count one row of this run: O(1) now; it is segmented, with the other queued rows, by ``flush`` (which
+        every figure-reading method calls first)."""
+        self._queue(row, this_run=True)
+        if len(self._pending) >= SEGMENT_BATCH_ROWS:
+            self.flush()
 
-    def _add(self, row: Mapping[str, Any]) -> Segmentation | None:
+    def _queue(self, row: Mapping[str, Any], this_run: bool) -> None:
         sid = str(row["sample_id"])
         if self.prompt_opens_think is not None:
             opens = self.prompt_opens_think.get(sid)
             if opens is None:
                 self.stale_rows += 1
-                return None
+                return
         else:
             opens = True
-        seg = segment_row(row, self.profile, prompt_opens_think=bool(opens),
-                          prompt_ids=self.prompt_ids.get(sid) if self.prompt_ids is not None else None,
-                          tool_call_in_reasoning=self.tool_call_in_reasoning, blank_ids=self.blank_ids,
-                          vocab_size=self.vocab_size, control_ids=self.control_ids)
-        self._ids.append(sid)
-        self._tokens.append(len(row.get("output_ids") or ()))
-        self._finish.append(row.get("finish_reason"))
-        self._drop.append(seg.drop_reason)
-        if seg.kept:
-            self._reasoning.append(seg.reasoning_tokens)
-            self._answer.append(seg.answer_tokens)
-        else:
-            self._drop_counts[seg.drop_reason] += 1
-            self._remember("dropped", sid)
-            self._remember(seg.drop_reason, sid)
-        if row.get("finish_reason") == "length":
-            self._remember("truncated", sid)
-        return seg
+        prompt = self.prompt_ids.get(sid) if self.prompt_ids is not None else None
+        self._pending.append((row, bool(opens), prompt, this_run))
+        self._n += 1
+
+    def flush(self) -> list[Segmentation]:
+        """Segment the queued rows in one batch and count them; returns their segmentations, in order."""
+        if not self._pending:
+            return []
+        pending, self._pending = self._pending, []
+        rows = [p[0] for p in pending]
+        seg = segment_rows(rows, self.profile, prompt_opens_think=[p[1] for p in pending],
+                           prompt_ids=[p[2] for p in pending] if self.prompt_ids is not None else None,
+                           tool_call_in_reasoning=self.tool_call_in_reasoning, blank_ids=self.blank_ids,
+                           vocab_size=self.vocab_size, control_ids=self.control_ids)
+        first = self._n - len(pending)
+        truncated = np.array([r.get("finish_reason") == "length" for r in rows], dtype=bool)
+        kept = seg.drop_code == KEPT
+        this_run = np.array([p[3] for p in pending], dtype=bool)
+        for figures, sel in ((self._all, np.ones(len(rows), dtype=bool)), (self._run, this_run)):
+            if not sel.any():
+                continue
+            figures.rows += int(sel.sum())
+            figures.truncated += int((truncated & sel).sum())
+            figures.tokens.add_many(seg.completion_tokens[sel])
+            figures.reasoning.add_many(seg.reasoning_tokens[sel & kept])
+            figures.answer.add_many(seg.answer_tokens[sel & kept])
+            for c, k in zip(*np.unique(seg.drop_code[sel & ~kept], return_counts=True)):
+                figures.drops[DROP_REASONS[c]] += int(k)
+        codes, lengths = seg.drop_code.tolist(), seg.completion_tokens.tolist()
+        for i, row in enumerate(rows):
+            sid = str(row["sample_id"])
+            if codes[i] != KEPT:
+                self._remember("dropped", sid)
+                self._remember(DROP_REASONS[codes[i]], sid)
+            if truncated[i]:
+                self._remember("truncated", sid)
+            if self._k:
+                item = (-lengths[i], -(first + i), sid)
+                if len(self._shortest) < self._k:
+                    heapq.heappush(self._shortest, item)
+                elif item > self._shortest[0]:  # shorter than the longest kept (ties: the earlier row stays)
+                    heapq.heapreplace(self._shortest, item)
+        return [seg.row(i) for i in range(len(rows))]
+
+    @property
+    def _drop_counts(self) -> Counter:
+        return self._all.drops
 
     def _remember(self, key: str, sid: str) -> None:
         if self._k:
@@ -305,10 +359,8 @@ class LiveQualityMonitor:
 
     def outcomes(self, this_run_only: bool = False) -> tuple[Outcome, Outcome]:
         """(token_structure, response_length) outcomes of the rows so far, by the blocking checks' rules."""
-        start = self.seeded if this_run_only else 0
-        structure = evaluate_token_structure(self._drop[start:], self.thresholds)
-        length = evaluate_response_length(self._tokens[start:], self._finish[start:], self.thresholds)
-        return structure, length
+        self.flush()
+        return (self._run if this_run_only else self._all).outcomes(self.thresholds, self.short_tokens)
 
     def evaluate(self, final: bool = False) -> LiveEvaluation | None:
         """Compare the running figures with the thresholds; None during the warm-up (fewer than ``warmup_rows``).
@@ -318,6 +370,7 @@ class LiveQualityMonitor:
         ``final=True`` is for the last figures of a run that has sent everything: evaluated even during the warm-up
         (when there is at least one row), and no stop is decided.
         """
+        self.flush()
         self._last_report = self.rows
         if not (self.warmed_up or (final and self.rows)):
             return None
@@ -365,8 +418,7 @@ class LiveQualityMonitor:
             return ()
         if figure in ("median_tokens", "p10_tokens", "share_under_short"):
             # the shortest rows: what drags the length figures down
-            pick = heapq.nsmallest(self._k, range(len(self._tokens)), key=self._tokens.__getitem__)
-            return tuple(self._ids[i] for i in pick)
+            return tuple(sid for _, _, sid in sorted(self._shortest, reverse=True))
         key = {"share_dropped": "dropped", "share_truncated": "truncated"}.get(figure, figure.removeprefix("share_"))
         return tuple(self._recent.get(key, ()))
 
@@ -396,6 +448,7 @@ class LiveQualityMonitor:
         (counts), level ("WARMUP" before the first evaluation, else the last evaluation's), evaluated_at_rows,
         alarms (the last evaluation's), stopped, stop, live (the LiveSpec), thresholds.
         """
+        self.flush()
         n = self.rows
         share = (lambda c: c / n) if n else (lambda c: 0.0)
         dropped = sum(self._drop_counts.values())
@@ -409,12 +462,12 @@ class LiveQualityMonitor:
             "kept": n - dropped,
             "dropped": dropped,
             "warmed_up": self.warmed_up,
-            "completion_tokens": _quantiles(self._tokens),
-            "reasoning_tokens": _quantiles(self._reasoning),
-            "answer_tokens": _quantiles(self._answer),
+            "completion_tokens": _quantiles(self._all.tokens),
+            "reasoning_tokens": _quantiles(self._all.reasoning),
+            "answer_tokens": _quantiles(self._all.answer),
             "short_tokens": self.short_tokens,
-            "share_under_short": share(sum(1 for t in self._tokens if t < self.short_tokens)),
-            "share_truncated": share(sum(1 for r in self._finish if r == "length")),
+            "share_under_short": share(self._all.tokens.below(self.short_tokens)),
+            "share_truncated": share(self._all.truncated),
             "share_dropped": share(dropped),
             "share_by_reason": {r: share(self._drop_counts[r]) for r in DROP_REASONS if self._drop_counts[r]},
             "drop_reasons": {r: self._drop_counts[r] for r in DROP_REASONS if self._drop_counts[r]},

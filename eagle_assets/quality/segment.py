@@ -75,18 +75,21 @@ class Segmentation:
         return self.drop_reason is None
 
 
-def _tool_spans(ids: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> tuple[int, int, bool]:
+def _tool_spans(ids: Sequence[int], starts: Sequence[int], ends: Sequence[int],
+                positions: Sequence[int] | None = None) -> tuple[int, int, bool]:
     """(tokens inside outermost tool-call spans incl. markers, spans of the innermost pair, balanced?).
 
     ``starts[i]`` opens what ``ends[i]`` closes. Balanced means every end closes the most recently opened pair of
     its own kind, no pair is opened inside an open pair of the same kind, and nothing is left open.
+    ``positions``: where each of ``ids`` sits (default ``0..len(ids)-1``), so a caller may pass only the marker ids
+    of a long answer with their positions (``segment_batch``) and get the same result.
     """
     start_of = {t: i for i, t in enumerate(starts)}
     end_of = {t: i for i, t in enumerate(ends) if t not in start_of}
     innermost = len(starts) - 1
     stack: list[tuple[int, int]] = []  # (pair index, position)
     span_tokens = n_calls = 0
-    for pos, tok in enumerate(ids):
+    for pos, tok in (enumerate(ids) if positions is None else zip(positions, ids)):
         pair = start_of.get(tok)
         if pair is not None:
             if any(open_pair == pair for open_pair, _ in stack):

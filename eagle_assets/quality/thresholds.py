@@ -77,14 +77,28 @@ def evaluate_response_length(
     n = len(completion_tokens)
     short = int(_get(thresholds, "short_tokens", 300) or 300)
     if n == 0:
-        return _outcome({"count": 0}, [Finding("count", 0, 1, "ERROR", "<")])
+        return response_length_outcome(0, 0.0, 0.0, 0, 0, thresholds)
     ordered = sorted(completion_tokens)
+    under = sum(1 for t in ordered if t < short)
+    truncated = sum(1 for r in finish_reasons if r == "length")
+    return response_length_outcome(n, float(median(ordered)), float(ordered[int(0.1 * (n - 1))]), under, truncated,
+                                   thresholds)
+
+
+def response_length_outcome(n: int, median_tokens: float, p10_tokens: float, under_short: int, truncated: int,
+                            thresholds: Any) -> Outcome:
+    """``evaluate_response_length`` from its figures: ``n`` rows, their median and p10 (by the index rule
+    ``sorted[int(0.1 * (n - 1))]``), rows under ``short_tokens`` and rows with finish_reason length. Running
+    counters (``quality.live``) call this directly, so the live figures are judged by the same rules."""
+    short = int(_get(thresholds, "short_tokens", 300) or 300)
+    if n == 0:
+        return _outcome({"count": 0}, [Finding("count", 0, 1, "ERROR", "<")])
     figures = {
         "count": float(n),
-        "median_tokens": float(median(ordered)),
-        "p10_tokens": float(ordered[int(0.1 * (n - 1))]),
-        "share_under_short": sum(1 for t in ordered if t < short) / n,
-        "share_truncated": sum(1 for r in finish_reasons if r == "length") / n,
+        "median_tokens": float(median_tokens),
+        "p10_tokens": float(p10_tokens),
+        "share_under_short": under_short / n,
+        "share_truncated": truncated / n,
         "short_tokens": float(short),
     }
     findings: list[Finding] = []
@@ -115,10 +129,14 @@ def evaluate_token_structure(drop_reasons: Sequence[str | None], thresholds: Any
     ``max_share_by_reason``, ``{reason: {warn, error}}`` levels for single reasons. Every reason with a level
     appears in the figures, with share 0.0 when no row has it.
     """
-    n = len(drop_reasons)
+    return token_structure_outcome(len(drop_reasons), Counter(r for r in drop_reasons if r), thresholds)
+
+
+def token_structure_outcome(n: int, counts: Mapping[str, int], thresholds: Any) -> Outcome:
+    """``evaluate_token_structure`` from counts: ``n`` rows, ``counts`` drop reason -> dropped rows."""
     if n == 0:
         return _outcome({"count": 0}, [Finding("count", 0, 1, "ERROR", "<")])
-    counts = Counter(r for r in drop_reasons if r)
+    counts = {r: c for r, c in counts.items() if r and c}
     by_reason = _get(thresholds, "max_share_by_reason", None) or {}
     figures: dict[str, float] = {"count": float(n), "share_dropped": sum(counts.values()) / n}
     for reason in sorted(set(counts) | set(by_reason)):

@@ -1,0 +1,300 @@
+"""One streaming QC pass over a partition's generations: record batches in, bounded training shards out.
+
+``qc_partition`` is the body of the ``qc_shards`` asset (``assets.qc``) without Dagster, so the bench and the tests
+run the same code. Generations are read shard by shard in record batches of ``batch_rows`` rows, segmented by
+``segment_batch.segment_batch`` (the vectorised ``segment_row``), and the kept rows (``input_ids = prompt_ids +
+output_ids``, ``loss_mask`` 0 over the prompt, 1 over the output) are written to ``shard-NNNNN.parquet`` files of at
+most ``rows_per_shard`` rows and about ``bytes_per_shard`` bytes of Arrow data each, every one atomically (temp file +
+``os.replace``); ``rows.parquet`` (one small row per generated row, for the checks and the length report) is written
+as it goes through one Parquet writer and renamed at the end. Memory: one record batch, one shard being filled, the
+partition's prompts table, and per generated row a few bytes of figures (drop code, lengths) plus its sample id (for
+the duplicate rule), independent of the number of output tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Collection
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle_assets.quality.segment import DROP_REASONS, FLAGS
+from eagle_assets.quality.segment_batch import KEPT, _FLAG_BIT, _FLAG_ORDER, _list_parts, segment_batch
+from eagle_assets.storage import shard_paths, write_parquet_atomic
+
+QC_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("n_prompt_tokens", pa.int32()),
+        ("reasoning_tokens", pa.int32()),
+        ("answer_tokens", pa.int32()),
+        ("tool_call_tokens", pa.int32()),
+        ("flags", pa.list_(pa.string())),
+    ]
+)
+ROWS_SCHEMA = pa.schema(
+    [
+        ("partition", pa.string()),
+        ("sample_id", pa.string()),
+        ("completion_tokens", pa.int32()),
+        ("reasoning_tokens", pa.int32()),
+        ("answer_tokens", pa.int32()),
+        ("tool_call_tokens", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("max_new_tokens", pa.int32()),
+        ("kept", pa.bool_()),
+        ("short", pa.bool_()),
+        ("drop_reason", pa.string()),
+    ]
+)
+# Rows QC does not segment, counted beside DROP_REASONS: generated from a prompt that is no longer in the partition,
+# or a second row of a sample id that already has one (two producers wrote the same sample).
+QC_SKIP_REASONS: tuple[str, ...] = ("stale_prompt", "duplicate_row")
+ROWS_PER_SHARD = 100_000
+BYTES_PER_SHARD = 256 * 1024 * 1024  # Arrow bytes of one shard's rows (input_ids + loss_mask dominate)
+BATCH_ROWS = 4096
+_FLAG_LISTS = [[f for f in _FLAG_ORDER if bits & _FLAG_BIT[f]] for bits in range(1 << len(FLAGS))]
+
+
+@dataclass
+class QcSummary:
+    """What one pass found: counts, per-row figures (numpy, one entry per segmented row, in row order) and files.
+
+    ``drop_code``: int8 (``segment_batch.KEPT`` or an index into ``DROP_REASONS``); ``completion_tokens``,
+    ``reasoning_tokens``, ``answer_tokens``: int32 tokens; ``finish_reason``: list of str or None;
+    ``reasons``: drop reason / skip reason -> rows; ``flags``: flag -> rows; ``shards``: QC shard paths written.
+    """
+
+    rows: int = 0
+    kept: int = 0
+    short: int = 0
+    reasons: Counter = field(default_factory=Counter)
+    flags: Counter = field(default_factory=Counter)
+    drop_code: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int8))
+    completion_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    reasoning_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    answer_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    finish_reason: list = field(default_factory=list)
+    shards: list[Path] = field(default_factory=list)
+    output_tokens: int = 0
+
+    def drop_reasons(self) -> list[str | None]:
+        return [None if c < 0 else DROP_REASONS[c] for c in self.drop_code.tolist()]
+
+
+def _ragged(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Flat indices ``[s, s+1, ..., s+len-1]`` of every (start, length), concatenated (int64)."""
+    total = int(lengths.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    before = np.cumsum(lengths) - lengths
+    return np.repeat(starts - before, lengths) + np.arange(total, dtype=np.int64)
+
+
+def training_rows(sample_ids: pa.Array, prompt_ids: pa.Array, output_ids: pa.Array, seg, keep: np.ndarray) -> pa.Table:
+    """``QC_SCHEMA`` rows of the ``keep`` rows (indices): ``input_ids = prompt_ids + output_ids`` (int32),
+    ``loss_mask`` 0 over the prompt and 1 over the output (int8), spans and flags from ``seg``."""
+    p_vals, p_off, _ = _list_parts(prompt_ids)
+    o_vals, o_off, _ = _list_parts(output_ids)
+    lp = (p_off[1:] - p_off[:-1])[keep]
+    lo = (o_off[1:] - o_off[:-1])[keep]
+    new_off = np.zeros(len(keep) + 1, dtype=np.int64)
+    np.cumsum(lp + lo, out=new_off[1:])
+    values = np.empty(int(new_off[-1]), dtype=np.int32)
+    mask = np.ones(len(values), dtype=np.int8)
+    dest = _ragged(new_off[:-1], lp)
+    values[dest] = p_vals[_ragged(p_off[:-1][keep], lp)]
+    mask[dest] = 0
+    values[_ragged(new_off[:-1] + lp, lo)] = o_vals[_ragged(o_off[:-1][keep], lo)]
+    if len(new_off) and new_off[-1] >= 2**31:
+        raise ValueError("one QC batch holds 2**31 tokens or more: lower batch_rows")
+    offsets = pa.array(new_off.astype(np.int32))
+    return pa.Table.from_arrays([
+        sample_ids.take(pa.array(keep)),
+        pa.ListArray.from_arrays(offsets, pa.array(values)),
+        pa.ListArray.from_arrays(offsets, pa.array(mask)),
+        pa.array(lp.astype(np.int32)),
+        pa.array(seg.reasoning_tokens[keep]),
+        pa.array(seg.answer_tokens[keep]),
+        pa.array(seg.tool_call_tokens[keep]),
+        pa.array([_FLAG_LISTS[b] for b in seg.flags[keep].tolist()], type=pa.list_(pa.string())),
+    ], schema=QC_SCHEMA)
+
+
+class ShardWriter:
+    """Collects tables and writes ``shard-NNNNN.parquet`` files of at most ``rows_per_shard`` rows and about
+    ``bytes_per_shard`` Arrow bytes, each atomically; ``close`` writes the last one (an empty shard when nothing was
+    written, so readers always find ``shard-00000``) and removes shards of an earlier, longer pass."""
+
+    def __init__(self, out_dir: Path, schema: pa.Schema, rows_per_shard: int = ROWS_PER_SHARD,
+                 bytes_per_shard: int = BYTES_PER_SHARD):
+        if rows_per_shard < 1 or bytes_per_shard < 1:
+            raise ValueError(f"rows_per_shard and bytes_per_shard must be >= 1, got {rows_per_shard}, "
+                             f"{bytes_per_shard}")
+        self.out_dir, self.schema = Path(out_dir), schema
+        self.rows_cap, self.bytes_cap = rows_per_shard, bytes_per_shard
+        self._parts: list[pa.Table] = []
+        self._rows = self._bytes = 0
+        self.written: list[Path] = []
+
+    def add(self, table: pa.Table) -> None:
+        if not table.num_rows:
+            return
+        per_row = max(table.nbytes / table.num_rows, 1.0)  # Arrow bytes per row of this table (an estimate)
+        while table.num_rows:
+            # rows that fit both budgets, at least one (a single row over the byte cap is a shard of its own)
+            room = max(1, min(self.rows_cap - self._rows, int((self.bytes_cap - self._bytes) / per_row)))
+            head, table = table.slice(0, room), table.slice(room)
+            self._parts.append(head)
+            self._rows += head.num_rows
+            self._bytes += int(head.num_rows * per_row)
+            if self._rows >= self.rows_cap or self._bytes >= self.bytes_cap:
+                self._flush()
+
+    def _flush(self) -> None:
+        table = pa.concat_tables(self._parts) if self._parts else self.schema.empty_table()
+        path = self.out_dir / f"shard-{len(self.written):05d}.parquet"
+        write_parquet_atomic(table.combine_chunks(), path)
+        self.written.append(path)
+        self._parts, self._rows, self._bytes = [], 0, 0
+
+    def close(self) -> list[Path]:
+        if self._parts or not self.written:
+            self._flush()
+        keep = set(self.written)
+        for old in shard_paths(self.out_dir):
+            if old not in keep:
+                old.unlink()
+        return self.written
+
+
+def qc_partition(
+    generation_shards: list[Path],
+    prompts: pa.Table,
+    out_dir: Path,
+    profile,
+    *,
+    partition: str,
+    blank_ids: Collection[int],
+    vocab_size: int | None,
+    control_ids: Collection[int] | None,
+    tool_call_in_reasoning: str = "drop",
+    short_tokens: int = 300,
+    max_new_tokens: int | None = None,
+    rows_per_shard: int = ROWS_PER_SHARD,
+    bytes_per_shard: int = BYTES_PER_SHARD,
+    batch_rows: int = BATCH_ROWS,
+) -> QcSummary:
+    """Segment every generations row of ``generation_shards`` against ``prompts`` and write the QC shards.
+
+    Args:
+        generation_shards: Parquet files of ``generation.GENERATION_SCHEMA`` rows (other producers' columns and
+            types are accepted: ``segment_batch`` falls back to the reference for odd types).
+        prompts: ``tokenized_prompts`` rows: ``sample_id``, ``prompt_ids`` (list of int) and, when present,
+            ``prompt_opens_think`` (bool; absent = ``target_model.render.opens_think_block`` of the ids).
+        out_dir: where ``shard-NNNNN.parquet`` (``QC_SCHEMA``) and ``rows.parquet`` (``ROWS_SCHEMA``) go.
+        profile, blank_ids, vocab_size, control_ids, tool_call_in_reasoning: as in ``segment_row``.
+        short_tokens: a kept row with fewer output ids is counted ``short``; max_new_tokens: the partition's cap,
+            written to ``rows.parquet``.
+    Returns: a ``QcSummary``. Raises ``OSError`` for unreadable files (a broken shard is not skipped silently).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    index = {sid: i for i, sid in enumerate(prompts.column("sample_id").to_pylist())}
+    prompt_ids = prompts.column("prompt_ids").combine_chunks()
+    if "prompt_opens_think" in prompts.schema.names:
+        opens_col = prompts.column("prompt_opens_think").to_pylist()
+    else:
+        opens_col = [None] * prompts.num_rows
+    if any(o is None for o in opens_col):  # tokenized by a version without the column: the renderer's rule
+        from eagle_assets.target_model.render import opens_think_block
+
+        opens_col = [opens_think_block(p, profile) if o is None else o
+                     for o, p in zip(opens_col, prompt_ids.to_pylist())]
+    opens_all = np.array(opens_col, dtype=bool)
+    summary = QcSummary()
+    codes, n_out, reasoning, answer = [], [], [], []
+    seen: set[str] = set()
+    shards = ShardWriter(out_dir, QC_SCHEMA, rows_per_shard, bytes_per_shard)
+    fd, rows_tmp = tempfile.mkstemp(prefix=".rows.parquet.", suffix=".tmp", dir=out_dir)
+    os.close(fd)
+    try:
+        with pq.ParquetWriter(rows_tmp, ROWS_SCHEMA, compression="zstd") as rows_out:
+            for path in generation_shards:
+                for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
+                    names = batch.schema.names
+                    sids = batch.column(names.index("sample_id")).to_pylist() if "sample_id" in names else \
+                        [None] * batch.num_rows
+                    take, pidx = [], []
+                    for j, sid in enumerate(sids):
+                        p = index.get(sid)
+                        if p is None:  # generated from an older prompt set; not part of this partition any more
+                            summary.reasons["stale_prompt"] += 1
+                        elif sid in seen:  # one training row per sample, whoever wrote the shards
+                            summary.reasons["duplicate_row"] += 1
+                        else:
+                            seen.add(sid)
+                            take.append(j)
+                            pidx.append(p)
+                    if not take:
+                        continue
+                    sub = pa.Table.from_batches([batch]).take(pa.array(take, type=pa.int64()))
+                    pidx_arr = np.array(pidx, dtype=np.int64)
+                    pcol = prompt_ids.take(pa.array(pidx_arr))
+                    seg = segment_batch(sub, profile, prompt_opens_think=opens_all[pidx_arr], prompt_ids=pcol,
+                                        tool_call_in_reasoning=tool_call_in_reasoning, blank_ids=blank_ids,
+                                        vocab_size=vocab_size, control_ids=control_ids)
+                    kept = seg.kept
+                    short = kept & (seg.completion_tokens < short_tokens)
+                    finish = sub.column("finish_reason") if "finish_reason" in sub.schema.names else \
+                        pa.nulls(sub.num_rows, pa.string())
+                    finish = finish.combine_chunks()
+                    if not pa.types.is_string(finish.type):
+                        finish = pa.array([v if isinstance(v, str) else None for v in finish.to_pylist()],
+                                          type=pa.string())
+                    n = sub.num_rows
+                    drop_names = pa.array([None if c < 0 else DROP_REASONS[c] for c in seg.drop_code.tolist()],
+                                          type=pa.string())
+                    sid_col = pa.array([sids[j] for j in take], type=pa.string())
+                    rows_out.write_table(pa.Table.from_arrays([
+                        pa.array([partition] * n, type=pa.string()), sid_col, pa.array(seg.completion_tokens),
+                        pa.array(seg.reasoning_tokens), pa.array(seg.answer_tokens), pa.array(seg.tool_call_tokens),
+                        finish, pa.array([max_new_tokens] * n, type=pa.int32()), pa.array(kept), pa.array(short),
+                        drop_names,
+                    ], schema=ROWS_SCHEMA))
+                    keep = np.flatnonzero(kept)
+                    if len(keep):
+                        out_col = sub.column("output_ids").combine_chunks()
+                        shards.add(training_rows(sid_col, pcol, out_col, seg, keep))
+                    codes.append(seg.drop_code)
+                    n_out.append(seg.completion_tokens)
+                    reasoning.append(seg.reasoning_tokens)
+                    answer.append(seg.answer_tokens)
+                    summary.finish_reason.extend(finish.to_pylist())
+                    summary.kept += len(keep)
+                    summary.short += int(short.sum())
+                    summary.output_tokens += int(seg.completion_tokens.sum(dtype=np.int64))
+                    for c, k in zip(*np.unique(seg.drop_code[~kept], return_counts=True)):
+                        summary.reasons[DROP_REASONS[c]] += int(k)
+                    summary.flags.update({f: k for f, k in seg.flag_counts().items() if k})
+        summary.shards = shards.close()
+        os.replace(rows_tmp, out_dir / "rows.parquet")
+    finally:
+        if os.path.exists(rows_tmp):
+            os.unlink(rows_tmp)
+    cat = (lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dtype=dt))
+    summary.drop_code = cat(codes, np.int8)
+    summary.completion_tokens = cat(n_out, np.int32)
+    summary.reasoning_tokens = cat(reasoning, np.int32)
+    summary.answer_tokens = cat(answer, np.int32)
+    summary.rows = len(summary.drop_code)
+    assert summary.kept == int((summary.drop_code == KEPT).sum())
+    return summary
