@@ -91,7 +91,8 @@ def synthetic(n: int, profile, control, vocab: int, seed: int = 0, start: int = 
         "sample_id": sids, "output_ids": out, "finish_reason": finish.tolist(),
         "matched_stop": pa.array([None if t else profile.end_of_turn_id for t in truncated.tolist()], pa.int64()),
         "completion_tokens": pa.array(lengths.astype(np.int32)), "prompt_tokens": pa.nulls(n, pa.int32()),
-        "latency_s": pa.nulls(n, pa.float64()), "attempts": pa.nulls(n, pa.int32()), "sampling_params": [json.dumps({"max_new_tokens": CAP, "temperature": 0.6})] * n,
+        "latency_s": pa.nulls(n, pa.float64()), "attempts": pa.nulls(n, pa.int32()),
+        "sampling_params": [json.dumps({"max_new_tokens": CAP, "temperature": 0.6})] * n,
     })
     p_len = rng.integers(60, 400, n)
     p_off = np.zeros(n + 1, dtype=np.int64)
@@ -125,37 +126,40 @@ def micro(rows: int) -> int:
     pcol = prompts.column("prompt_ids").combine_chunks()
     opens = np.ones(rows, dtype=bool)
     kw = dict(blank_ids=blank, vocab_size=vocab, control_ids=control)
-    wait0, t0 = runq_wait_s(), time.perf_counter()
+    wait0, t0, c0 = runq_wait_s(), time.perf_counter(), time.process_time()
     batch_rows = 4096
     results = []
     for s in range(0, rows, batch_rows):
         sub = gen.slice(s, batch_rows)
         results.append(segment_batch(sub, profile, prompt_opens_think=opens[s:s + batch_rows],
                                      prompt_ids=pcol.slice(s, batch_rows), **kw))
-    t_batch = time.perf_counter() - t0
+    t_batch, cpu_batch = time.perf_counter() - t0, time.process_time() - c0
     wait_batch = runq_wait_s() - wait0
     ref_rows = min(rows, 4000)  # the reference is slow: a slice of the same rows
     sub = gen.slice(0, ref_rows)
     ref_tokens = int(pa.compute.sum(sub.column("completion_tokens")).as_py())
-    wait0, t0 = runq_wait_s(), time.perf_counter()
+    wait0, t0, c0 = runq_wait_s(), time.perf_counter(), time.process_time()
     prompt_list = pcol.slice(0, ref_rows).to_pylist()
     ref = [segment_row(r, profile, prompt_opens_think=True, prompt_ids=p, **kw)
            for r, p in zip(sub.to_pylist(), prompt_list)]
-    t_ref = time.perf_counter() - t0
+    t_ref, cpu_ref = time.perf_counter() - t0, time.process_time() - c0
     wait_ref = runq_wait_s() - wait0
     got = [results[i // batch_rows].row(i % batch_rows) for i in range(ref_rows)]
     same = got == ref
     reasons = {}
     for s in ref:
         reasons[s.drop_reason or "kept"] = reasons.get(s.drop_reason or "kept", 0) + 1
-    b_rate, r_rate = tokens / t_batch, ref_tokens / t_ref
+    b_rate, r_rate = tokens / cpu_batch, ref_tokens / cpu_ref
     print(f"rows {rows:,}, output tokens {tokens:,} (mean {tokens / rows:,.0f}); reference over the first "
           f"{ref_rows:,} rows ({ref_tokens:,} tokens); outcomes {reasons}")
-    print("| path | seconds | M tokens/s | run-queue wait s |\n|---|---|---|---|")
-    print(f"| segment_batch (vectorised) | {t_batch:.2f} | {b_rate / 1e6:.1f} | {wait_batch:.2f} |")
-    print(f"| segment_row per row + to_pylist (reference) | {t_ref:.2f} | {r_rate / 1e6:.2f} | {wait_ref:.2f} |")
-    print(f"ratio {b_rate / r_rate:.1f}x; same outcome on every compared row: {same}; target >= 20 M tokens/s: "
-          f"{'met' if b_rate >= 20e6 else 'NOT met'}")
+    print("| path | wall s | CPU s | M tokens per CPU-second | M tokens per wall-second | run-queue wait s |\n"
+          "|---|---|---|---|---|---|")
+    print(f"| segment_batch (vectorised) | {t_batch:.2f} | {cpu_batch:.2f} | {b_rate / 1e6:.1f} | "
+          f"{tokens / t_batch / 1e6:.1f} | {wait_batch:.2f} |")
+    print(f"| segment_row per row + to_pylist (reference) | {t_ref:.2f} | {cpu_ref:.2f} | {r_rate / 1e6:.2f} | "
+          f"{ref_tokens / t_ref / 1e6:.2f} | {wait_ref:.2f} |")
+    print(f"ratio {b_rate / r_rate:.1f}x per CPU-second; same outcome on every compared row: {same}; target >= 20 M "
+          f"tokens/s on one core (CPU time; wall time on an idle core): {'met' if b_rate >= 20e6 else 'NOT met'}")
     return 0 if same and b_rate >= 20e6 else 1
 
 
@@ -163,33 +167,46 @@ _CHILD = r"""
 import json, sys, time, resource
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-mode, gen_dir, prompts_path, out_dir = sys.argv[2:6]
+mode, gen_dir, prompts_path, out_dir, qwen = sys.argv[2:7]
+import pyarrow as pa
 import pyarrow.parquet as pq
-from bench.bench_scale import qwen_setup
-_, profile, blank, vocab, control = qwen_setup()
+from eagle_assets.assets.qc import blank_token_ids
+from eagle_assets.target_model.profile import detect_profile
+from eagle_assets.target_model.tokenizer import load_tokenizer
+tok = load_tokenizer(qwen)
+profile = detect_profile(tok, None)
+blank = blank_token_ids(tok)
 gen_shards = sorted(Path(gen_dir).glob("shard-*.parquet"))
 t0 = time.perf_counter()
 if mode == "new":
     from eagle_assets.quality.qc_pass import qc_partition
+    from eagle_assets.target_model.profile import target_vocab_size
+    from eagle_assets.target_model.render import control_token_ids
     prompts = pq.read_table(prompts_path)
     s = qc_partition(gen_shards, prompts, Path(out_dir), profile, partition="bench", blank_ids=blank,
-                     vocab_size=vocab, control_ids=control, max_new_tokens=10240)
+                     vocab_size=target_vocab_size(Path(qwen), tok), control_ids=control_token_ids(tok),
+                     max_new_tokens=10240)
     kept, shards, tokens = s.kept, len(s.shards), s.output_tokens
-else:  # the per-row loop of assets/qc.py before issue 16, with the baseline tree's segment_row
-    from eagle_assets.quality.segment import segment_row
-    import pyarrow as pa
+else:  # the loop of assets/qc.py at the baseline commit, with that tree's segment_output (fewer rules then)
+    from eagle_assets.quality.segment import segment_output
     prompts = {r["sample_id"]: r for r in pq.read_table(prompts_path).to_pylist()}
-    kept_rows, tokens = [], 0
-    for path in gen_shards:
-        for g in pq.read_table(path).to_pylist():
-            p = prompts[g["sample_id"]]
-            seg = segment_row(g, profile, prompt_opens_think=True, prompt_ids=p["prompt_ids"], blank_ids=blank,
-                              vocab_size=vocab, control_ids=control)
-            tokens += len(g["output_ids"])
-            if seg.kept:
-                kept_rows.append({"sample_id": g["sample_id"], "input_ids": p["prompt_ids"] + g["output_ids"]})
+    gens = pa.concat_tables([pq.read_table(p) for p in gen_shards])
+    kept_rows, all_rows, tokens = [], [], 0
+    for g in gens.to_pylist():
+        p = prompts[g["sample_id"]]
+        seg = segment_output(g["output_ids"], g["finish_reason"], profile, matched_stop=g["matched_stop"],
+                             completion_tokens=g["completion_tokens"], prompt_opens_think=p["prompt_opens_think"],
+                             blank_ids=blank)
+        n_out = len(g["output_ids"])
+        tokens += n_out
+        all_rows.append({"sample_id": g["sample_id"], "completion_tokens": n_out, "kept": seg.kept})
+        if seg.kept:
+            ids = list(p["prompt_ids"]) + list(g["output_ids"])
+            kept_rows.append({"sample_id": g["sample_id"], "input_ids": ids,
+                              "loss_mask": [0] * len(p["prompt_ids"]) + [1] * n_out})
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(kept_rows), Path(out_dir) / "shard-00000.parquet")
+    pq.write_table(pa.Table.from_pylist(all_rows), Path(out_dir) / "rows.parquet")
     kept, shards = len(kept_rows), 1
 wall = time.perf_counter() - t0
 print(json.dumps({"seconds": wall, "tokens": tokens, "kept": kept, "shards": shards,
@@ -199,7 +216,8 @@ print(json.dumps({"seconds": wall, "tokens": tokens, "kept": kept, "shards": sha
 
 def _run_child(tree: Path, mode: str, gen_dir: Path, prompts: Path, out: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    res = subprocess.run([sys.executable, "-c", _CHILD, str(tree), mode, str(gen_dir), str(prompts), str(out)],
+    res = subprocess.run([sys.executable, "-c", _CHILD, str(tree), mode, str(gen_dir), str(prompts), str(out),
+                          str(QWEN)],
                          capture_output=True, text=True, env=env, cwd=tree)
     if res.returncode:
         raise RuntimeError(f"{mode} QC child failed:\n{res.stderr[-3000:]}")
@@ -235,8 +253,9 @@ def qc_stage(sizes: list[int], baseline: Path | None, baseline_max: int) -> int:
                       f"{old['tokens'] / old['seconds'] / 1e6:.2f} | {old['peak_rss_gb']:.2f} | {old['shards']} |")
                 print(f"|  |  | ratio (baseline / streaming) | {old['seconds'] / new['seconds']:.1f}x |  | "
                       f"{old['peak_rss_gb'] / new['peak_rss_gb']:.1f}x |  |")
-                if old["kept"] != new["kept"]:
-                    print(f"MISMATCH: kept {new['kept']} vs baseline {old['kept']}")
+                if old["kept"] != new["kept"]:  # the baseline lacks rules added since (stop id mid output, echo)
+                    print(f"note: kept {new['kept']:,} rows vs the baseline's {old['kept']:,}: the baseline applies "
+                          "fewer drop rules (e.g. stop_token_mid_output); exactness is checked by `micro` and tests")
             del wait0
     return 0
 

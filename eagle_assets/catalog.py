@@ -344,6 +344,10 @@ class TrainingSpec(_Strict):
     schedule: Literal["cosine", "constant"] = "cosine"  # learning rate after warm-up
     # Resumable training: a state (weights, AdamW moments, position) every this many steps and at each epoch end.
     save_every_steps: int = Field(50, ge=0)
+    # torch CPU threads for training and the acceptance simulations (null = torch's default: every core). A drafter
+    # as small as the demo's runs its many small ops fastest on one thread, and two threads on two busy cores stall
+    # each other at every op.
+    threads: int | None = Field(None, gt=0)
     mix: MixSpec = Field(default_factory=MixSpec)
 
     @field_validator("aux_layer_ids")

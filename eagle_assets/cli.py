@@ -29,10 +29,14 @@ def _ensure_dagster_home() -> Path:
 
 
 def _cmd_build_target(args: argparse.Namespace) -> int:
-    from eagle_assets.demo.build import build_demo_target
+    from eagle_assets.demo.build import DemoTargetRejected, build_demo_target
 
     t0 = time.monotonic()
-    path = build_demo_target(force=args.force)
+    try:
+        path = build_demo_target(force=args.force)
+    except DemoTargetRejected as exc:
+        print(exc, file=sys.stderr)
+        return 1
     print(f"embedded target model: {path} ({time.monotonic() - t0:.1f} s)")
     return 0
 
@@ -92,10 +96,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"unknown partitions {unknown}; the catalog {catalog_path} has {list(catalog.partition_keys)}")
         return 2
     if catalog.target.model == "demo":
-        from eagle_assets.demo.build import build_demo_target
+        from eagle_assets.demo.build import DemoTargetRejected, build_demo_target
 
         t0 = time.monotonic()
-        print(f"embedded target model: {build_demo_target()} ({time.monotonic() - t0:.1f} s)", flush=True)
+        try:
+            print(f"embedded target model: {build_demo_target()} ({time.monotonic() - t0:.1f} s)", flush=True)
+        except DemoTargetRejected as exc:
+            print(exc, file=sys.stderr)
+            return 1
     instance = dg.DagsterInstance.get()
     print(f"DAGSTER_HOME={home}; catalog {catalog_path}; storage {settings.storage_root}", flush=True)
     failed = []

@@ -10,7 +10,10 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 @pytest.fixture(scope="session")
 def demo_target() -> Path:
-    """Directory of the embedded demo target (a real tiny Qwen3 + tokenizer); builds it on first use (~2 min)."""
+    """Directory of the embedded demo target (a real tiny Qwen3 + tokenizer), built and gated on first use (about
+    four minutes on an idle 2-core machine), then reused from the cache by every later session. The one fixture
+    every test that needs the default target takes, so a session builds it at most once; tests of the build itself
+    use small recipes (``test_demo_build.py``)."""
     from eagle_assets.demo.build import build_demo_target
 
     return Path(build_demo_target())

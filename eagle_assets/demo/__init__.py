@@ -1,8 +1,10 @@
-"""The embedded default target: a tiny Qwen3 trained on seeded synthetic transcripts, built on CPU in ~2 minutes.
+"""The embedded default target: a tiny Qwen3 trained on seeded synthetic transcripts, built on CPU in ~4 minutes,
+the same bytes at any load or thread setting, and accepted only when it passes its quality gate.
 
 Public API::
 
-    build_demo_target(cache_root=None, force=False, recipe=None, log=None) -> Path   # HF model dir, cached by hash
+    build_demo_target(cache_root=None, force=False, recipe=None, log=None, workers=None) -> Path  # HF dir by hash
+    DemoTargetRejected                                                             # the gate failed (message: what to do)
     demo_target_path(cache_root=None, recipe=None) -> Path                         # where it lives; builds nothing
     recipe_hash(recipe=None) -> str ; DemoRecipe ; default_cache_root() -> Path
     generate_samples(kind, n, seed) -> list[DemoSample] ; KINDS ; completion_text(sample) -> str
@@ -20,6 +22,7 @@ from typing import Any
 # with ``python -m``) does not import torch/transformers or the other submodules first.
 _EXPORTS = {
     "DemoRecipe": "build",
+    "DemoTargetRejected": "build",
     "build_demo_target": "build",
     "default_cache_root": "build",
     "demo_target_path": "build",

@@ -131,7 +131,7 @@ def generate_replies(model, tokenizer, prompts: list[list[int]], max_new_tokens:
 
 def evaluate_target(model_dir: Path, samples: list[DemoSample], max_new_tokens: int | dict[str, int] = 600,
                     temperature: float = 0.0, seed: int = 0, dtype: str = "auto") -> dict[str, Any]:
-    """Generate for ``samples`` and summarize per kind.
+    """Generate for ``samples`` and summarize per kind (:func:`summarize_replies`).
 
     Args:
         model_dir: a demo target directory.
@@ -139,11 +139,6 @@ def evaluate_target(model_dir: Path, samples: list[DemoSample], max_new_tokens: 
         max_new_tokens: one cap, or a cap per kind.
         temperature, seed: see :func:`generate_replies`.
         dtype: as the embedded server's ``--dtype`` ("auto" = float64 on CPU, the replies the pipeline gets).
-
-    Returns:
-        ``{kind: {"n", "ok", "structure_rate", "at_cap", "cap", "median_tokens", "min_tokens", "max_tokens",
-        "failures": {reason: count}, "examples": [last 160 characters of up to 2 failed replies]}}``; ``at_cap``
-        counts replies of ``cap`` tokens (cut off, or ending exactly there).
     """
     from transformers import AutoTokenizer
 
@@ -155,6 +150,14 @@ def evaluate_target(model_dir: Path, samples: list[DemoSample], max_new_tokens: 
     caps = {kind: max_new_tokens for kind in KINDS} if isinstance(max_new_tokens, int) else dict(max_new_tokens)
     prompts = [encode_sample(tokenizer, s)[0] for s in samples]
     replies = generate_replies(model, tokenizer, prompts, [caps[s.kind] for s in samples], temperature, seed)
+    return summarize_replies(samples, replies, tokenizer, caps)
+
+
+def summarize_replies(samples: list[DemoSample], replies: list[list[int]], tokenizer,
+                      caps: dict[str, int]) -> dict[str, Any]:
+    """Per kind: ``{"n", "ok", "structure_rate", "at_cap", "cap", "median_tokens", "min_tokens", "max_tokens",
+    "failures": {reason: count}, "examples": [last 160 characters of up to 2 failed replies]}``; ``at_cap``
+    counts replies of ``cap`` tokens (cut off, or ending exactly there)."""
     report: dict[str, Any] = {}
     for kind in KINDS:
         pairs = [(r, check_reply(r, tokenizer, s.kind == "tool")) for s, r in zip(samples, replies) if s.kind == kind]

@@ -9,8 +9,12 @@ Four kinds, one per demo partition (reply lengths in demo-tokenizer tokens, stop
   cases, the answer is a fenced Python block (~130-245 tokens).
 - ``math`` (B4_mixturethoughts): "N numbers: ..., which is the largest / smallest, how many are even"; the reasoning
   takes one line per number (~275-465 tokens).
-- ``reasoning`` (B5_openthoughts): a seating puzzle with K clues under a system prompt; one line per clue
-  (~225-400 tokens).
+- ``reasoning`` (B5_openthoughts): a seating puzzle with K clues under a system prompt; one line per clue, which
+  quotes the clue by its number as the prompt lists it (``"5 to go: Clue 3: Ben sits left of Ivy, so ..."``)
+  (~225-400 tokens). Copying what follows a matching ``Clue 3:`` is the easiest lookup there is for a small
+  model, and the clue number makes every line differ from the one before. Version 1 wrote ``"the next clue says
+  that ..."``: a model that had not yet learned which clue came next wrote the same line for every clue, and
+  with identical lines the count-down lost its place and looped until ``max_new_tokens`` (issue 12).
 
 Whether a system turn is present varies (about 15% of tool/reasoning prompts lack theirs, 10% of code prompts get
 a generic one) so the target does not depend on one exact prompt prefix.
@@ -38,7 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Bump when the generated text changes; it is part of the demo target's recipe hash.
-GENERATOR_VERSION = "1"
+GENERATOR_VERSION = "2"
+# Names the random streams. Kept when the text changes (version 2 only reworded the reasoning lines), so the same
+# seed still draws the same prompts: the committed demo prompts and every figure measured on them stay comparable.
+_STREAM = "1"
 
 KINDS: tuple[str, ...] = ("tool", "code", "math", "reasoning")
 
@@ -353,7 +360,7 @@ def _reasoning_sample(rng: random.Random) -> DemoSample:
             f"Who sits in seat {seat}?")
     lines = [f"There are {k} clues, so I will check them one at a time and count down from {k}."]
     for i, (c, meaning) in enumerate(clues):
-        lines.append(f"{k - i} to go: the next clue says that {c}, so {meaning}.")
+        lines.append(f"{k - i} to go: Clue {i + 1}: {c}, so {meaning}.")
     lines.append(DONE_LINE)
     content = f"{target} sits in seat {seat}."
     messages: list[dict[str, Any]] = []
@@ -376,7 +383,7 @@ def generate_samples(kind: str, n: int, seed: int) -> list[DemoSample]:
     if kind not in _MAKERS:
         raise ValueError(f"unknown demo kind {kind!r}; use one of {KINDS}")
     # A string seed is hashed by random.Random with sha512, stable across processes (unlike hash()).
-    rng = random.Random(f"eagle-assets-demo/{GENERATOR_VERSION}/{kind}/{seed}")
+    rng = random.Random(f"eagle-assets-demo/{_STREAM}/{kind}/{seed}")
     return [_MAKERS[kind](rng) for _ in range(n)]
 
 

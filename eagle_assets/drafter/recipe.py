@@ -181,7 +181,8 @@ def config_from_catalog(training: Any, **overrides: Any) -> TrainConfig:
                   aux_layer_ids=tuple(t.aux_layer_ids) if t.aux_layer_ids is not None else None,
                   warmup_steps=t.warmup_steps, schedule=t.schedule, acceptance_k=t.acceptance_k,
                   acceptance_max_positions=t.acceptance_max_positions, eval_every_tokens=t.eval_every_tokens,
-                  patience=t.patience, min_delta=t.min_delta, save_every_steps=t.save_every_steps)
+                  patience=t.patience, min_delta=t.min_delta, save_every_steps=t.save_every_steps,
+                  num_threads=t.threads)
     fields.update(overrides)
     return TrainConfig(**fields)
 

@@ -15,7 +15,7 @@ Frequency decides WHICH ids enter (most frequent first, ties by lower id), not t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -146,6 +146,50 @@ def count_completion_tokens(
             raise ValueError(f"row {i}: token id outside [0, {target_vocab_size})")
         counts += np.bincount(sel, minlength=int(target_vocab_size))
     return counts
+
+
+def count_completion_tokens_in_shards(
+    paths: Iterable, target_vocab_size: int, include: Callable[[list[str]], np.ndarray] | None = None,
+    batch_rows: int = 4096,
+) -> tuple[np.ndarray, int]:
+    """``count_completion_tokens`` by a streaming pass over QC shards (``quality.qc_pass.QC_SCHEMA`` Parquet files):
+    one record batch of ``batch_rows`` rows in memory at a time, counted over the flat ``input_ids`` / ``loss_mask``
+    arrays (no per-row Python).
+
+    Args:
+        paths: the shard files, in order.
+        target_vocab_size: the target vocab size.
+        include: sample ids of a batch -> bool array, True for the rows to count (e.g. the training split); None
+            counts every row.
+    Returns: (int64 ``[target_vocab_size]`` counts, rows counted).
+    Raises: ValueError for a row whose ids and mask differ in length or an id outside the vocab (names the shard).
+    """
+    import pyarrow.parquet as pq
+
+    vocab = int(target_vocab_size)
+    counts = np.zeros(vocab, dtype=np.int64)
+    n_rows = 0
+    for path in paths:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows,
+                                                      columns=["sample_id", "input_ids", "loss_mask"]):
+            ids_col, mask_col = batch.column(1), batch.column(2)
+            ids_off = ids_col.offsets.to_numpy()
+            mask_off = mask_col.offsets.to_numpy()
+            if not np.array_equal(ids_off - ids_off[0], mask_off - mask_off[0]):
+                raise ValueError(f"{path}: a row whose input_ids and loss_mask differ in length")
+            ids = ids_col.values.to_numpy()[ids_off[0]:ids_off[-1]]
+            mask = mask_col.values.to_numpy()[mask_off[0]:mask_off[-1]].astype(bool)
+            if include is not None:
+                rows = np.asarray(include(batch.column(0).to_pylist()), dtype=bool)
+                mask &= np.repeat(rows, np.diff(ids_off))
+                n_rows += int(rows.sum())
+            else:
+                n_rows += batch.num_rows
+            sel = ids[mask]
+            if sel.size and (sel.min() < 0 or sel.max() >= vocab):
+                raise ValueError(f"{path}: token id outside [0, {vocab})")
+            counts += np.bincount(sel, minlength=vocab)
+    return counts, n_rows
 
 
 def draft_vocab_from_arrays(d2t: np.ndarray, t2d: np.ndarray, counts: np.ndarray | None = None) -> DraftVocab:

@@ -5,10 +5,10 @@ run the same code. Generations are read shard by shard in record batches of ``ba
 ``segment_batch.segment_batch`` (the vectorised ``segment_row``), and the kept rows (``input_ids = prompt_ids +
 output_ids``, ``loss_mask`` 0 over the prompt, 1 over the output) are written to ``shard-NNNNN.parquet`` files of at
 most ``rows_per_shard`` rows and about ``bytes_per_shard`` bytes of Arrow data each, every one atomically (temp file +
-``os.replace``); ``rows.parquet`` (one small row per generated row, for the checks and the length report) is written
-as it goes through one Parquet writer and renamed at the end. Memory: one record batch, one shard being filled, the
-partition's prompts table, and per generated row a few bytes of figures (drop code, lengths) plus its sample id (for
-the duplicate rule), independent of the number of output tokens.
+``os.replace``), streamed row group by row group; ``rows.parquet`` (one small row per generated row, for the
+checks and the length report) is written as it goes through one Parquet writer and renamed at the end. Memory: one
+record batch, the partition's prompts table, and per generated row a few bytes of figures (drop code, lengths) plus
+its sample id (for the duplicate rule), independent of the number of output tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 
 from eagle_assets.quality.segment import DROP_REASONS, FLAGS
 from eagle_assets.quality.segment_batch import KEPT, _FLAG_BIT, _FLAG_ORDER, _list_parts, segment_batch
-from eagle_assets.storage import shard_paths, write_parquet_atomic
+from eagle_assets.storage import shard_paths
 
 QC_SCHEMA = pa.schema(
     [
@@ -130,9 +130,11 @@ def training_rows(sample_ids: pa.Array, prompt_ids: pa.Array, output_ids: pa.Arr
 
 
 class ShardWriter:
-    """Collects tables and writes ``shard-NNNNN.parquet`` files of at most ``rows_per_shard`` rows and about
-    ``bytes_per_shard`` Arrow bytes, each atomically; ``close`` writes the last one (an empty shard when nothing was
-    written, so readers always find ``shard-00000``) and removes shards of an earlier, longer pass."""
+    """Writes ``shard-NNNNN.parquet`` files of at most ``rows_per_shard`` rows and about ``bytes_per_shard`` Arrow
+    bytes each. Tables are streamed into the open shard (one Parquet row group per ``add``) through a temp file that
+    is renamed into place when the shard is full (``os.replace``: readers never see a partial shard), so memory
+    holds one table, not one shard. ``close`` finishes the last shard (an empty ``shard-00000`` when nothing was
+    written, so readers always find one) and removes shards of an earlier, longer pass."""
 
     def __init__(self, out_dir: Path, schema: pa.Schema, rows_per_shard: int = ROWS_PER_SHARD,
                  bytes_per_shard: int = BYTES_PER_SHARD):
@@ -141,7 +143,8 @@ class ShardWriter:
                              f"{bytes_per_shard}")
         self.out_dir, self.schema = Path(out_dir), schema
         self.rows_cap, self.bytes_cap = rows_per_shard, bytes_per_shard
-        self._parts: list[pa.Table] = []
+        self._writer: pq.ParquetWriter | None = None
+        self._tmp: str | None = None
         self._rows = self._bytes = 0
         self.written: list[Path] = []
 
@@ -153,27 +156,43 @@ class ShardWriter:
             # rows that fit both budgets, at least one (a single row over the byte cap is a shard of its own)
             room = max(1, min(self.rows_cap - self._rows, int((self.bytes_cap - self._bytes) / per_row)))
             head, table = table.slice(0, room), table.slice(room)
-            self._parts.append(head)
+            self._open().write_table(head)
             self._rows += head.num_rows
             self._bytes += int(head.num_rows * per_row)
             if self._rows >= self.rows_cap or self._bytes >= self.bytes_cap:
-                self._flush()
+                self._finish()
 
-    def _flush(self) -> None:
-        table = pa.concat_tables(self._parts) if self._parts else self.schema.empty_table()
+    def _open(self) -> pq.ParquetWriter:
+        if self._writer is None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            fd, self._tmp = tempfile.mkstemp(prefix=".shard.", suffix=".tmp", dir=self.out_dir)
+            os.close(fd)
+            self._writer = pq.ParquetWriter(self._tmp, self.schema, compression="zstd")
+        return self._writer
+
+    def _finish(self) -> None:
+        writer = self._open()
+        writer.close()
         path = self.out_dir / f"shard-{len(self.written):05d}.parquet"
-        write_parquet_atomic(table.combine_chunks(), path)
+        os.replace(self._tmp, path)
         self.written.append(path)
-        self._parts, self._rows, self._bytes = [], 0, 0
+        self._writer, self._tmp, self._rows, self._bytes = None, None, 0, 0
 
     def close(self) -> list[Path]:
-        if self._parts or not self.written:
-            self._flush()
+        if self._writer is not None or not self.written:
+            self._finish()
         keep = set(self.written)
         for old in shard_paths(self.out_dir):
             if old not in keep:
                 old.unlink()
         return self.written
+
+    def abort(self) -> None:
+        """Drop the shard being written (its temp file); finished shards stay."""
+        if self._writer is not None:
+            self._writer.close()
+            os.unlink(self._tmp)
+            self._writer, self._tmp = None, None
 
 
 def qc_partition(
@@ -288,6 +307,7 @@ def qc_partition(
         summary.shards = shards.close()
         os.replace(rows_tmp, out_dir / "rows.parquet")
     finally:
+        shards.abort()
         if os.path.exists(rows_tmp):
             os.unlink(rows_tmp)
     cat = (lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dtype=dt))

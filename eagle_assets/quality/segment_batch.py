@@ -99,21 +99,32 @@ def _first(pos: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return out
 
 
-def _member(values: np.ndarray, ids: Collection[int]) -> np.ndarray:
-    """Bool mask: ``values`` (int32) in ``ids``; a lookup table for large sets, comparisons for a few ids."""
-    ids = [int(t) for t in ids]
-    if not ids:
-        return np.zeros(len(values), dtype=bool)
-    if len(ids) <= 4:
-        mask = values == ids[0]
-        for t in ids[1:]:
-            mask |= values == t
-        return mask
-    ids = [t for t in ids if t >= 0]
-    table = np.zeros(max(ids) + 1, dtype=bool)
-    table[ids] = True
-    inside = (values >= 0) & (values < len(table))
-    return table[np.where(inside, values, 0)] & inside
+OUT_OF_VOCAB_BIT = 128
+
+
+def _classes(values: np.ndarray, groups: Sequence[Collection[int]], vocab_size: int | None = None) -> np.ndarray:
+    """uint8 per token: bit i set when the id is in ``groups[i]`` (at most 7 groups). One gather from a lookup table
+    (ids outside every group, negative ones included, land on the sentinel slot): the one dense pass over the tokens.
+    With ``vocab_size`` at or above every group id, the table spans the vocab and the sentinel carries
+    ``OUT_OF_VOCAB_BIT``, so the vocab rule costs no pass of its own (ids of a group at or above ``vocab_size`` would
+    be out of the vocab and drop their row first, so their other bits never matter)."""
+    ids = [t for g in groups for t in g if t >= 0]
+    if not len(values):
+        return np.zeros(0, dtype=np.uint8)
+    top = max(ids) + 1 if ids else 0
+    spans_vocab = vocab_size is not None and vocab_size >= top
+    table = np.zeros((vocab_size if spans_vocab else top) + 1, dtype=np.uint8)  # the last slot is the sentinel
+    if spans_vocab:
+        table[-1] = OUT_OF_VOCAB_BIT
+    for bit, group in enumerate(groups):
+        for t in group:
+            if t >= 0:
+                table[t] |= 1 << bit
+    if values.dtype == np.int32:
+        index = np.minimum(values.view(np.uint32), len(table) - 1)  # negative ids wrap to huge: the sentinel
+    else:
+        index = np.where((values < 0) | (values >= len(table)), len(table) - 1, values)
+    return table[index]
 
 
 def _finish_codes(finish: Sequence[Any] | pa.Array) -> np.ndarray:
@@ -204,8 +215,18 @@ def segment_flat(
     # -- the protocol rules (reply_defect and the prompt count), in the reference's order
     drop("abort", finish == _FINISH_ABORT)
     drop("unknown_finish_reason", finish == _FINISH_OTHER)
+    think_start, think_end = profile.think_start_id, profile.think_end_id
+    has_think = think_start is not None and think_end is not None
+    starts, ends = tuple(profile.tool_call_start_ids), tuple(profile.tool_call_end_ids)
+    groups = [tuple(profile.stop_ids), (think_start,) if has_think else (), (think_end,) if has_think else (),
+              (*starts, *ends), starts[:1], tuple(blank_ids)]
+    group_top = max((t + 1 for g in groups for t in g if t >= 0), default=0)
+    cls = _classes(values, groups, vocab_size)
     if vocab_size is not None:
-        bad = _positions((values < 0) | (values >= vocab_size))
+        if vocab_size >= group_top:
+            bad = _positions(cls & OUT_OF_VOCAB_BIT)
+        else:
+            bad = _positions((values < 0) | (values >= vocab_size))
         drop("id_out_of_vocab", _count(bad, start, end) > 0)
     ct, has_ct = _optional_ints(completion_tokens, n)
     cap, has_cap = _optional_ints(max_new_tokens, n)
@@ -244,7 +265,7 @@ def segment_flat(
         drop("prompt_tokens_mismatch", present & has_pt & (pt != p_len))
 
     # -- where the turn ends
-    stop_pos = _positions(_member(values, profile.stop_ids))
+    stop_pos = _positions(cls & 1)
     nonempty = n_out > 0
     last_is_stop = np.zeros(n, dtype=bool)
     last_is_stop[nonempty] = _count(stop_pos, end[nonempty] - 1, end[nonempty]) > 0
@@ -263,13 +284,10 @@ def segment_flat(
 
     # -- the reasoning block
     reached = code == KEPT  # rows past here carry the flags set below, as in the reference
-    think_start, think_end = profile.think_start_id, profile.think_end_id
-    has_think = think_start is not None and think_end is not None
     zeros = np.zeros(n, dtype=np.int64)
-    starts, ends = tuple(profile.tool_call_start_ids), tuple(profile.tool_call_end_ids)
     if has_think:
-        ts_pos = _positions(values == think_start)
-        te_pos = _positions(values == think_end)
+        ts_pos = _positions(cls & 2)
+        te_pos = _positions(cls & 4)
         opens = opens_in.copy()
         head = ~opens & (b_end > b_start) & (_count(ts_pos, b_start, b_start + 1) > 0)
         opens |= head
@@ -294,7 +312,7 @@ def segment_flat(
         a_start[by_end] = cut[by_end] + 1
         rest = opens & (n_end == 0)
         if profile.tool_call_ends_reasoning and starts:
-            tc_cut = _first(_positions(values == starts[0]), b_start, b_end)
+            tc_cut = _first(_positions(cls & 16), b_start, b_end)
             by_tool = rest & (tc_cut >= 0)
             reasoning[by_tool] = tc_cut[by_tool] - b_start[by_tool]
             answer[by_tool] = b_end[by_tool] - tc_cut[by_tool]
@@ -317,7 +335,7 @@ def segment_flat(
     tool_tokens = np.zeros(n, dtype=np.int64)
     n_calls = np.zeros(n, dtype=np.int64)
     if starts or ends:
-        marker_pos = _positions(_member(values, (*starts, *ends)))
+        marker_pos = _positions(cls & 8)
         in_answer = np.flatnonzero((code == KEPT) & (_count(marker_pos, a_start, a_end) > 0))
         unbalanced = np.zeros(n, dtype=bool)
         lo = np.searchsorted(marker_pos, a_start[in_answer])
@@ -333,7 +351,7 @@ def segment_flat(
             drop("tool_call_in_reasoning", in_reasoning)
         else:
             flags[in_reasoning] |= _FLAG_BIT["tool_call_in_reasoning"]
-    blank = _positions(_member(values, blank_ids)) if blank_ids else np.zeros(0, dtype=np.int64)
+    blank = _positions(cls & 32) if blank_ids else np.zeros(0, dtype=np.int64)
     empty = _count(blank, a_start, a_end) == answer
     drop("empty_answer", empty)
 
@@ -355,11 +373,12 @@ def _list_parts(arr: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray
     present = ~arr.is_null().to_numpy(zero_copy_only=False)
     if arr.null_count:
         arr = arr.fill_null(pa.scalar([], type=arr.type))
-    if pa.types.is_large_list(arr.type):
-        offsets = arr.offsets.to_numpy().astype(np.int64)
-    else:
-        offsets = arr.offsets.to_numpy().astype(np.int64)
-    values = arr.values.to_numpy(zero_copy_only=False) if len(arr.values) else np.zeros(0, dtype=np.int32)
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    # a sliced array's .values is the whole parent buffer: keep only this slice's ids (rebased offsets), so the
+    # per-token passes cost this batch, not the array it was cut from
+    lo, hi = (int(offsets[0]), int(offsets[-1])) if len(offsets) else (0, 0)
+    values = arr.values.slice(lo, hi - lo).to_numpy(zero_copy_only=False) if hi > lo else np.zeros(0, dtype=np.int32)
+    offsets -= lo
     if values.dtype.kind not in "iu":  # a column of non-int lists (another producer): empty and checked as such
         values = values.astype(np.int64)
     return values, offsets, present
