@@ -18,7 +18,7 @@ from eagle_assets.drafter.features import (
     target_features,
 )
 from eagle_assets.drafter.model import DrafterConfig, Eagle3DraftModel
-from eagle_assets.drafter.train import drafter_rows, soft_cross_entropy, teacher_positions
+from eagle_assets.drafter.ttt_loss import drafter_rows, soft_cross_entropy, teacher_positions
 from tiny_targets import tiny_qwen3
 
 VOCAB = 300
