@@ -27,7 +27,7 @@ SpecForge pins torch==2.11 and sglang==0.5.14, which clash with ours: it is inst
 ``<storage root>/bench-packages/`` on first use, at the version of the ``bench-reference`` extra in
 pyproject.toml (what its modules import besides is in our own dependencies).
 
-Usage: ``.venv/bin/python bench/bench_drafter_quality.py [--catalog catalogs/default.yaml] [--threads 2]``, after
+Usage: ``.venv/bin/python bench/bench_drafter_quality.py [--catalog catalogs/default.yaml] [--threads N]``, after
 ``eagle-assets run`` (it reads that run's QC shards, draft vocab and training mix). Prints the command line, both
 recipes, a side-by-side table and the verdict; exit status 1 when our mean held-out tau is below the reference's.
 """
@@ -159,13 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--catalog", type=Path, default=REPO / "catalogs" / "default.yaml")
     ap.add_argument("--storage-root", type=Path, default=None, help="default: $EAGLE_ASSETS_HOME or ./.eagle_assets")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads for both arms (default: the catalog's training.threads, else torch's)")
     ap.add_argument("--ref-lr", type=float, default=None, help="SpecForge arm's peak lr (default: the catalog's)")
     ap.add_argument("--ref-ttt", type=int, default=None, help="SpecForge arm's TTT length (default: the catalog's)")
     ap.add_argument("--calibration-steps", type=int, default=20)
     args = ap.parse_args(argv)
     print("$ " + shlex.join([sys.executable, *sys.argv]), flush=True)
-    torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
 
@@ -184,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = PipelineSettings(catalog_path=str(args.catalog.resolve()), storage_root=str(root))
     catalog = settings.catalog()
     t = catalog.training
+    threads = args.threads or t.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
     keys, excluded = passing_partitions(settings)
     if not keys:
         print(f"no partition with passing QC under {root} ({excluded}); run `eagle-assets run` first")
@@ -206,10 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         groups["unseen source"] = unseen
     n_tok = sum(ids.size for ids, _ in train)
     print(f"target {model_dir}; {len(train)} training rows ({n_tok} tokens), {len(validation)} validation rows, "
-          f"test rows {[len(g) for g in groups.values()]} ({list(groups)}); {args.threads} threads", flush=True)
+          f"test rows {[len(g) for g in groups.values()]} ({list(groups)}); {threads} threads", flush=True)
 
     # -- ours ---------------------------------------------------------------------------------------------------
-    config = config_from_catalog(t, num_threads=args.threads)
+    config = config_from_catalog(t, num_threads=threads)
     print(f"\nours: {config}", flush=True)
     cpu0, wall0, wait0 = time.process_time(), time.perf_counter(), runq_wait_s()
     ours = train_drafter(model_dir, train, vocab, config, work / "ours", validation_rows=validation)

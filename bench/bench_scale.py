@@ -1,6 +1,6 @@
-"""Scale benchmark for issue 16: QC segmentation speed and the streaming QC stage at partition sizes.
+"""Scale benchmark for issue 16: QC segmentation speed, the streaming stages and the whole partition job.
 
-Two parts, both on synthetic ShareGPT-like generations with the real Qwen3 tokenizer's profile
+Four modes, all on synthetic ShareGPT-like data with the real Qwen3 tokenizer
 (/work/shared/data/tokenizers/qwen3-0.6b; EAGLE_SHARED_DATA overrides /work/shared/data):
 
   micro  QC segmentation on ONE core (the process pins itself to one CPU): tokens/s of the vectorised
@@ -13,16 +13,29 @@ Two parts, both on synthetic ShareGPT-like generations with the real Qwen3 token
          ``git worktree add /tmp/base 1ecee89``), the same rows through that tree's per-row QC loop (its
          ``segment_row`` + ``to_pylist``, the loop ``assets/qc.py`` ran), as a ratio.
 
-Replies: reasoning + ``</think>`` + answer + ``<|im_end|>``, total length lognormal around 1,000 tokens with a long
-tail capped at 10,240 (mean ~1,050); 3% truncated at the cap, 1% with a stop id mid output, 1% missing the
-think-end. Prompts: 60-400 ids ending in the Qwen3 generation prompt.
+         Replies (micro, qc): reasoning + ``</think>`` + answer + ``<|im_end|>``, lognormal around 1,000 tokens
+         with a long tail capped at 10,240 (mean ~1,050); 3% truncated at the cap, 1% with a stop id mid output,
+         1% missing the think-end. Prompts: 60-400 ids ending in the Qwen3 generation prompt.
+  job    the partition job as users run it (``eagle-assets run --partitions S_sharegpt --skip-training``: Dagster's
+         ``execute_in_process`` with a real sqlite instance in a temporary DAGSTER_HOME) on N synthetic ShareGPT
+         conversations, the real Qwen3 tokenizer as the target, against the zero-latency SGLang-protocol stub
+         (``serving.stub_server --shape``: Qwen3-shaped replies, lognormal length, median 850, mean ~1,040, 0.5%
+         at the 10,240 cap) in its own process, 1,024 requests in flight. Prints wall, peak RSS of the job process
+         (``wait4``), seconds per asset (Dagster's step events), tokens/s and files per stage, and beside them the
+         issue's figures of the code before issue 16 as ratios (interpolated between its sizes when not measured
+         at that size); with ``--baseline DIR`` (``git archive e5c85fb | tar -x -C DIR``: the tree before issue
+         16) the same job of that tree in the same run, up to ``--baseline-max`` conversations.
+  client ``generation.run_generation`` (client + shards + live monitor, as ``generations`` runs it) from a
+         ``PromptsFile`` at 1,024 requests in flight against the same stub: requests/s, client and stub CPU per
+         request, the client's one-core ceiling; with and without the live monitor.
 
 Usage: ``.venv/bin/python bench/bench_scale.py micro [--rows 20000]``
        ``.venv/bin/python bench/bench_scale.py qc --conversations 10000 100000 [--baseline /tmp/base]``
-Not done here (issue 16 items left): the whole partition job through Dagster against the zero-latency stub server
-(generation and rendering stages), and 1M conversations.
+       ``.venv/bin/python bench/bench_scale.py job --conversations 10000 100000 [--baseline /tmp/base]``
+       ``.venv/bin/python bench/bench_scale.py client [--requests 20000] [--concurrency 1024]``
 
-Numbers depend on the machine's load: the table prints this process's run-queue wait (``bench/schedstat.py``).
+Numbers depend on the machine's load: micro prints this process's run-queue wait (``bench/schedstat.py``), job and
+client the load average.
 """
 
 from __future__ import annotations
@@ -260,6 +273,253 @@ def qc_stage(sizes: list[int], baseline: Path | None, baseline_max: int) -> int:
     return 0
 
 
+# The issue's measurements of the code before issue 16 (the partition job through the CLI, zero-latency server,
+# synthetic ShareGPT, ~1,000-token replies, Qwen3 tokenizer): conversations -> (wall s, peak RSS GB,
+# tokenized_prompts s, generations s, qc_shards s).
+ISSUE_BASELINE = {2_000: (29, 0.77, 7.4, 6.4, 5.1), 8_000: (65, 1.29, 18.9, 21.1, 11.4),
+                  32_000: (251, 3.32, 73.6, 114.6, 43.7), 100_000: (1132, 9.17, 260.5, 728.8, 105.9)}
+QWEN3_SHAPE = "151667,151668,151645"  # <think>, </think>, <|im_end|>: the stub's reply layout
+QWEN3_FIRST_SPECIAL = 151643  # ordinary ids lie below <|endoftext|>
+JOB_STAGES = ("raw_prompts", "tokenized_prompts", "generations", "qc_shards", "length_report")
+
+
+def baseline_at(n: int) -> tuple[tuple[float, ...], str]:
+    """The issue's baseline figures at ``n`` conversations: exact at a measured size, else linear between the two
+    measured sizes around it (or the last two beyond them); the label says which."""
+    if n in ISSUE_BASELINE:
+        return ISSUE_BASELINE[n], "measured"
+    sizes = sorted(ISSUE_BASELINE)
+    lo = max([s for s in sizes if s < n], default=sizes[0])
+    hi = min([s for s in sizes if s > n], default=sizes[-1])
+    if lo == hi:
+        lo, hi = (sizes[-2], sizes[-1]) if n > sizes[-1] else (sizes[0], sizes[1])
+    w = (n - lo) / (hi - lo)
+    a, b = ISSUE_BASELINE[lo], ISSUE_BASELINE[hi]
+    return tuple(x + w * (y - x) for x, y in zip(a, b)), f"interpolated {lo:,}-{hi:,}"
+
+
+def write_sharegpt(path: Path, n: int, seed: int = 0) -> None:
+    """``n`` synthetic ShareGPT conversations (one human turn of ~40-600 words, one gpt reply) as JSON Lines."""
+    rng = np.random.default_rng(seed)
+    words = np.array(["the", "model", "explain", "data", "function", "value", "python", "list", "why", "when",
+                      "compute", "number", "proof", "step", "write", "code", "test", "error", "graph", "memory",
+                      "train", "token", "answer", "question", "reason", "because", "example", "table", "sort",
+                      "search", "tree", "matrix", "vector", "probability", "integral", "server", "request"])
+    lengths = np.clip(rng.lognormal(np.log(150), 0.6, n).astype(int), 40, 600)
+    with open(path, "w") as fh:
+        for i in range(n):
+            text = " ".join(words[rng.integers(0, len(words), lengths[i])].tolist())
+            fh.write(json.dumps({"id": f"c{i:07d}", "conversations": [
+                {"from": "human", "value": text.capitalize() + "?"},
+                {"from": "gpt", "value": "A reference reply."}]}) + "\n")
+
+
+def start_shaped_stub(concurrency: int) -> tuple[subprocess.Popen, str]:
+    """The zero-latency SGLang-protocol stub (its own process) answering Qwen3-shaped long-tailed replies."""
+    from eagle_assets.serving.launch import READY_PREFIX
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagle_assets.serving.stub_server", "--port", "0", "--latency-ms", "0",
+         "--vocab-size", str(QWEN3_FIRST_SPECIAL), "--shape", QWEN3_SHAPE, "--exit-with-parent"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True, cwd=Path(__file__).resolve().parents[1])
+    line = proc.stdout.readline()
+    if not line.startswith(READY_PREFIX):
+        proc.kill()
+        raise RuntimeError(f"stub server did not start: {line!r}")
+    return proc, line[len(READY_PREFIX):].strip()
+
+
+def _step_seconds(home: Path) -> dict[str, float]:
+    """Seconds per step (STEP_START to STEP_SUCCESS / STEP_FAILURE) of the latest run in the instance at ``home``."""
+    import dagster as dg
+
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        run = instance.get_runs(limit=1)[0]
+        start, out = {}, {}
+        for rec in instance.all_logs(run.run_id):
+            ev = rec.dagster_event
+            if ev is None or ev.step_key is None:
+                continue
+            if ev.event_type_value == "STEP_START":
+                start[ev.step_key] = rec.timestamp
+            elif ev.event_type_value in ("STEP_SUCCESS", "STEP_FAILURE") and ev.step_key in start:
+                out[ev.step_key] = rec.timestamp - start[ev.step_key]
+    return out
+
+
+def _run_job(tree: Path, n: int, concurrency: int, keep: Path | None, baseline: bool) -> tuple | str:
+    """One partition-job run of ``tree``'s code at ``n`` conversations; (n, output tokens, wall s, peak RSS GB,
+    seconds per step, files per stage) or the failure text."""
+    here = Path(__file__).resolve().parents[1]
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench_job_{n}_{'base' if baseline else 'new'}_", dir=keep))
+    home, store = tmp / "dagster_home", tmp / "store"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    write_sharegpt(tmp / "sharegpt.jsonl", n)
+    stub, url = start_shaped_stub(concurrency)
+    try:
+        catalog = {
+            "target": {"model": str(QWEN)},
+            "server": {"url": url, "concurrency": concurrency, "timeout_s": 600},
+            "partitions": {"S_sharegpt": {
+                "sources": [{"path": str(tmp / "sharegpt.jsonl"), "format": "sharegpt"}],
+                "prompt_policy": "last_user", "sampling": {"max_new_tokens": CAP, "temperature": 0.6},
+                "max_prompt_tokens": 4096, "seed": 0}},
+        }
+        (tmp / "bench.yaml").write_text(json.dumps(catalog))  # JSON is YAML
+        env = dict(os.environ, DAGSTER_HOME=str(home), EAGLE_ASSETS_HOME=str(store))
+        args = ["run", "--catalog", str(tmp / "bench.yaml"), "--partitions", "S_sharegpt", "--skip-training"]
+        if baseline:  # the other tree's package first on the path (before the editable install of this one)
+            env["PYTHONPATH"] = str(tree)
+            cmd = [sys.executable, "-m", "eagle_assets.cli", *args]
+        else:
+            cmd = [str(here / ".venv" / "bin" / "eagle-assets"), *args]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        log = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS (its waited children included)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - t0
+    finally:
+        stub.terminate()
+        stub.wait(10)
+    if proc.returncode:
+        return f"the partition job ({'baseline' if baseline else 'this tree'}) failed at {n:,}:\n{log[-4000:]}"
+    steps = _step_seconds(home)
+    base = store / "bench"
+    out_tokens = int(pq.read_table(base / "qc_shards" / "S_sharegpt" / "rows.parquet",
+                                   columns=["completion_tokens"]).column(0).to_numpy().sum())
+    shards = {s: len(list((base / s / "S_sharegpt").glob("*.parquet"))) if (base / s / "S_sharegpt").exists()
+              else 0 for s in JOB_STAGES}
+    if keep is None:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return n, out_tokens, wall, usage.ru_maxrss / 2**20, steps, shards
+
+
+def job_stage(sizes: list[int], concurrency: int, keep: Path | None, baseline: Path | None = None,
+              baseline_max: int = 10_000) -> int:
+    """The partition job through the CLI (``eagle-assets run --skip-training``: Dagster's ``execute_in_process``
+    against a real sqlite instance) per size, each run a child process whose peak RSS comes from ``wait4``; with
+    ``baseline`` (an export of the code before issue 16) the same job of that tree, side by side."""
+    here = Path(__file__).resolve().parents[1]
+    print(f"load average {open('/proc/loadavg').read().split()[0]} on {os.cpu_count()} CPUs", flush=True)
+    rows_out, base_out = [], {}
+    for n in sizes:
+        got = _run_job(here, n, concurrency, keep, baseline=False)
+        if isinstance(got, str):
+            print(got)
+            return 1
+        rows_out.append(got)
+        _, out_tokens, wall, peak, steps, _ = got
+        print(f"| {n:,} conversations | {out_tokens:,} output tokens | wall {wall:.1f} s | peak RSS {peak:.2f} GB "
+              f"| " + " | ".join(f"{s} {steps.get(s, float('nan')):.1f} s" for s in JOB_STAGES) + " |", flush=True)
+        if baseline is not None and n <= baseline_max:
+            old = _run_job(baseline, n, concurrency, keep, baseline=True)
+            if isinstance(old, str):
+                print(old)
+                return 1
+            base_out[n] = old
+            print(f"| {n:,} conversations, BASELINE {baseline} | wall {old[2]:.1f} s | peak RSS {old[3]:.2f} GB | "
+                  + " | ".join(f"{s} {old[4].get(s, float('nan')):.1f} s" for s in JOB_STAGES) + " |", flush=True)
+    print("\n| conversations | output tokens | stage | seconds | M output tokens/s | files written |\n"
+          "|---|---|---|---|---|---|")
+    for n, tok, wall, peak, steps, shards in rows_out:
+        for s in JOB_STAGES:
+            sec = steps.get(s, float("nan"))
+            print(f"| {n:,} | {tok:,} | {s} | {sec:.1f} | {tok / sec / 1e6:.2f} | {shards[s]} |")
+        print(f"| {n:,} | {tok:,} | whole job (CLI wall) | {wall:.1f} | {tok / wall / 1e6:.2f} | "
+              f"peak RSS {peak:.2f} GB |")
+    print("\nagainst the issue's figures of the code before issue 16 (same setup; ratio = before / now):\n"
+          "| conversations | baseline | wall s (before / now / ratio) | peak RSS GB (before / now / ratio) | "
+          "tokenized_prompts s | generations s | qc_shards s |\n|---|---|---|---|---|---|---|")
+    for n, tok, wall, peak, steps, shards in rows_out:
+        (b_wall, b_rss, b_tok, b_gen, b_qc), label = baseline_at(n)
+        cell = (lambda b, now: f"{b:.1f} / {now:.1f} / {b / now:.1f}x")
+        print(f"| {n:,} | {label} | {cell(b_wall, wall)} | {b_rss:.2f} / {peak:.2f} / {b_rss / peak:.1f}x | "
+              f"{cell(b_tok, steps.get('tokenized_prompts', float('nan')))} | "
+              f"{cell(b_gen, steps.get('generations', float('nan')))} | "
+              f"{cell(b_qc, steps.get('qc_shards', float('nan')))} |")
+    if base_out:
+        print("\nagainst the baseline tree in the same run (ratio = baseline / now):\n| conversations | wall s | "
+              "peak RSS GB | " + " | ".join(f"{s} s" for s in JOB_STAGES) + " |\n|---|---|---|" + "---|" * len(JOB_STAGES))
+        for n, tok, wall, peak, steps, shards in rows_out:
+            if n not in base_out:
+                continue
+            _, _, b_wall, b_peak, b_steps, _ = base_out[n]
+            cells = [f"{b_steps.get(s, float('nan')):.1f} / {steps.get(s, float('nan')):.1f} / "
+                     f"{b_steps.get(s, float('nan')) / steps.get(s, float('nan')):.1f}x" for s in JOB_STAGES]
+            print(f"| {n:,} | {b_wall:.1f} / {wall:.1f} / {b_wall / wall:.1f}x | {b_peak:.2f} / {peak:.2f} / "
+                  f"{b_peak / peak:.1f}x | " + " | ".join(cells) + " |")
+    ok = all(peak < 2.0 for _, _, _, peak, *_ in rows_out)
+    print(f"\npeak RSS under 2 GB at every size: {'yes' if ok else 'NO'}")
+    return 0 if ok else 1
+
+
+def _proc_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def client_stage(requests: int, concurrency: int) -> int:
+    """``run_generation`` (the body of ``generations``: client, shards, failures, live monitor) from a
+    ``PromptsFile`` against the Qwen3-shaped zero-latency stub in its own process, ``concurrency`` requests in
+    flight; with and without the live monitor. Prints requests/s, client and stub CPU per request, and the client's
+    one-core ceiling (1e6 / client CPU us per request: what it sustains on a free core)."""
+    from eagle_assets.assets.qc import blank_token_ids
+    from eagle_assets.catalog import LiveSpec, Thresholds
+    from eagle_assets.generation import run_generation
+    from eagle_assets.prompts_file import PromptsFile
+    from eagle_assets.quality.live import LiveQualityMonitor
+    from eagle_assets.serving.client import GenerateClient
+    from eagle_assets.serving.protocol import SamplingParams
+
+    tok, profile, blank, vocab, control = qwen_setup()
+    print(f"run_generation, {requests:,} requests, {concurrency} in flight, Qwen3-shaped replies (~1,040 tokens), "
+          f"load average {open('/proc/loadavg').read().split()[0]} on {os.cpu_count()} CPUs")
+    print("| live monitor | wall s | req/s | client CPU us/req | one-core ceiling req/s | stub CPU us/req | "
+          "shards | peak RSS GB |\n|---|---|---|---|---|---|---|---|")
+    ok = True
+    for with_monitor in (True, False):
+        with tempfile.TemporaryDirectory(prefix="bench_client_") as tmp:
+            tmp = Path(tmp)
+            _, prompts = synthetic(requests, profile, control, vocab)
+            # the stub's replies open their own think block (Qwen3's default template: the prompt opens none)
+            prompts = prompts.set_column(2, "prompt_opens_think", pa.array([False] * requests))
+            pq.write_table(prompts, tmp / "prompts.parquet", row_group_size=4096)
+            del prompts
+            pf = PromptsFile(tmp / "prompts.parquet")
+            monitor = LiveQualityMonitor(profile, Thresholds(), LiveSpec(), blank_ids=blank,
+                                         prompt_opens_think=pf.opens_map(profile), prompt_ids=pf.ids_map(),
+                                         vocab_size=vocab, control_ids=control, partition="bench") \
+                if with_monitor else None
+            stub, url = start_shaped_stub(concurrency)
+            try:
+                client = GenerateClient([url], concurrency_per_server=concurrency, timeout_s=600)
+                sampling = SamplingParams(max_new_tokens=CAP, temperature=0.6, stop_token_ids=list(profile.stop_ids),
+                                          skip_special_tokens=False)
+                s0, c0, t0 = _proc_cpu_s(stub.pid), time.process_time(), time.perf_counter()
+                stats = run_generation(pf, tmp / "gen", client, sampling, vocab, monitor=monitor, control_ids=control,
+                                       flush_rows=1024)
+                wall, cpu, stub_cpu = time.perf_counter() - t0, time.process_time() - c0, _proc_cpu_s(stub.pid) - s0
+            finally:
+                stub.terminate()
+                stub.wait(10)
+            n = stats.succeeded
+            ok &= n == requests
+            print(f"| {'on' if with_monitor else 'off'} | {wall:.1f} | {n / wall:,.0f} | {1e6 * cpu / n:,.0f} | "
+                  f"{n / cpu:,.0f} | {1e6 * stub_cpu / n:,.0f} | {stats.shards_written} | "
+                  f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} |", flush=True)
+    print("target: >= 1,000 req/s at 1,024 in flight; on a shared machine read the one-core ceiling (client CPU "
+          "per request), since the wall rate is what this process got of the CPUs")
+    return 0 if ok else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -269,12 +529,26 @@ def main() -> int:
     q.add_argument("--conversations", type=int, nargs="+", default=[10_000])
     q.add_argument("--baseline", type=Path, default=None)
     q.add_argument("--baseline-max", type=int, default=10_000, help="largest size run through the baseline")
+    j = sub.add_parser("job", help="the partition job through the CLI against the zero-latency stub")
+    j.add_argument("--conversations", type=int, nargs="+", default=[10_000])
+    j.add_argument("--concurrency", type=int, default=1024, help="requests in flight (server.concurrency)")
+    j.add_argument("--keep", type=Path, default=None, help="keep each run's files under this directory")
+    j.add_argument("--baseline", type=Path, default=None,
+                   help="a tree of the code before issue 16 (git archive e5c85fb | tar -x -C DIR), run side by side")
+    j.add_argument("--baseline-max", type=int, default=10_000, help="largest size run through the baseline")
+    c = sub.add_parser("client", help="run_generation at many requests in flight against the zero-latency stub")
+    c.add_argument("--requests", type=int, default=20_000)
+    c.add_argument("--concurrency", type=int, default=1024)
     args = ap.parse_args()
     if not QWEN.exists():
         print(f"the Qwen3 tokenizer is not at {QWEN}: set EAGLE_SHARED_DATA to the shared data directory")
         return 2
     if args.cmd == "micro":
         return micro(args.rows)
+    if args.cmd == "client":
+        return client_stage(args.requests, args.concurrency)
+    if args.cmd == "job":
+        return job_stage(args.conversations, args.concurrency, args.keep, args.baseline, args.baseline_max)
     return qc_stage(args.conversations, args.baseline, args.baseline_max)
 
 

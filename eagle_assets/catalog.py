@@ -6,10 +6,12 @@ Shape (see catalogs/default.yaml)::
     server:   {url: null | str | [str], launch: embedded | sglang, concurrency, timeout_s, api_key_env, extra_args}
     partitions:
       <key>:  {description, sources: [{path, format}], prompt_policy, enable_thinking, sampling: {max_new_tokens,
-               temperature, top_p, top_k}, limit, seed, max_prompt_tokens, thresholds: {...}}
+               temperature, top_p, top_k}, limit, seed, max_prompt_tokens, thresholds: {...}, max_turns,
+               tool_result_match}
     training: {draft_vocab_size, ttt_steps, epochs, train_tokens, lr, schedule, warmup_steps, max_length,
                batch_tokens, seed, save_every_steps, holdout_fraction | holdout_rows, validation_rows,
-               eval_every_tokens, patience, min_delta, aux_layer_ids, acceptance..., unseen_eval: {...}, mix: {...}}
+               eval_every_tokens, patience, min_delta, aux_layer_ids, acceptance..., unseen_eval: {...}, mix: {...},
+               features: local | served | {source, url, teacher, top_k, cache, ...}}
 
 Relative source paths resolve against the catalog file's directory; ``${VAR}`` and ``${VAR:-default}`` in any
 string are expanded from the environment. Validation uses pydantic; every problem is reported as a
@@ -201,10 +203,16 @@ class PartitionSpec(_Strict):
 
     description: str = ""
     sources: list[SourceSpec] = Field(min_length=1)
-    prompt_policy: Literal["last_user", "first_user"] = "last_user"
-    enable_thinking: bool | None = None
+    # all_turns: every assistant turn regenerated on-policy (eagle_assets.conversation, docs/multi_turn.md)
+    prompt_policy: Literal["last_user", "first_user", "all_turns"] = "last_user"
+    # "both" (all_turns only): every conversation generated twice, thinking on and thinking off
+    enable_thinking: bool | Literal["both"] | None = None
     # A tool call inside the reasoning block: "drop" the row, or "keep" it and count it as a flag.
     tool_call_in_reasoning: Literal["drop", "keep"] = "drop"
+    # all_turns: replies per conversation at most; a model call answered by the dataset's recorded result when it
+    # names the same function with the same arguments ("arguments") or the same function only ("name")
+    max_turns: int = Field(8, gt=0)
+    tool_result_match: Literal["arguments", "name"] = "arguments"
     sampling: SamplingSpec
     limit: int | None = Field(None, gt=0)
     seed: int = 0
@@ -219,6 +227,13 @@ class PartitionSpec(_Strict):
     @property
     def key(self) -> str:
         return self._key
+
+    @model_validator(mode="after")
+    def _both_needs_all_turns(self) -> "PartitionSpec":
+        if self.enable_thinking == "both" and self.prompt_policy != "all_turns":
+            raise ValueError("enable_thinking 'both' generates every conversation twice and needs prompt_policy "
+                             "all_turns (its rows carry the mode); set prompt_policy: all_turns, or true / false")
+        return self
 
     def resolved_sources(self, check_exists: bool = True) -> list[tuple[Path, str]]:
         """``[(absolute path, canonical format name)]``; relative paths resolve against the catalog's directory.
@@ -256,6 +271,7 @@ class MixSpec(_Strict):
     catalog order until the budget is spent: the unbalanced baseline). ``token_budget``: completion (loss) tokens
     of the mix; null = every training row's tokens. ``weights``: relative token share per partition key (missing
     keys weigh 1.0). ``bucket_caps``: caps on the share of tokens from short rows. ``seed``: row order.
+    ``turn_weights``: {turn index: weight} for ``all_turns`` partitions (``conversation.mix``).
     """
 
     mode: Literal["balanced", "concat"] = "balanced"
@@ -263,8 +279,10 @@ class MixSpec(_Strict):
     weights: dict[str, float] = Field(default_factory=dict)
     bucket_caps: list[BucketCap] = Field(default_factory=list)
     seed: int = 0
+    # all_turns partitions: a partition's share split between its turn indexes by these weights (unlisted = 1.0)
+    turn_weights: dict[int, float] = Field(default_factory=dict)
 
-    @field_validator("weights")
+    @field_validator("weights", "turn_weights")
     @classmethod
     def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
         bad = {k: w for k, w in v.items() if w < 0}
@@ -310,13 +328,65 @@ class UnseenEvalSpec(_Strict):
         return out
 
 
+class FeaturesSpec(_Strict):
+    """``training.features``: where the drafter's target features (aux hidden states, teacher) come from.
+
+    ``local`` (the default) runs the target with transformers in the trainer's process
+    (``eagle_assets.drafter.feature_cache``); ``served`` fetches them from an SGLang server in aux-capture mode
+    (``eagle_assets.drafter.served_features``; docs/served_features.md). ``features: served`` is short for
+    ``features: {source: served}``.
+
+    Fields (``served`` only):
+        url: server(s) in aux-capture mode; null = the pipeline's ``sglang`` resource (its ``server.url``, or a
+            server it launches with the capture flags).
+        teacher: ``hard`` (the row's own next token) | ``topk`` (the target's top-``top_k`` logprobs, renormalized
+            over the draft vocab; with ``top_k`` >= the vocab size it is the local teacher).
+        cache: ``disk`` (verified shards under ``cache_dir``, reused across runs) | ``memory`` | ``none`` (fetched
+            for every batch when trained on). cache_dir: null = beside the checkpoint.
+        storage_dtype: ``auto`` (bfloat16 when lossless) | ``bfloat16`` | ``float32``; shard_mb: aux bytes
+            (float32-equivalent) per shard.
+        concurrency: requests in flight per server; timeout_s / max_attempts: per HTTP attempt / attempts per row
+            (connection errors, timeouts, 5xx and unusable replies are retried); api_key_env: the server's key.
+    """
+
+    source: Literal["local", "served"] = "local"
+    url: str | list[str] | None = None
+    teacher: Literal["hard", "topk"] = "hard"
+    top_k: int = Field(20, gt=0)
+    cache: Literal["disk", "memory", "none"] = "disk"
+    cache_dir: str | None = None
+    storage_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    shard_mb: float = Field(512, gt=0)
+    concurrency: int = Field(4, gt=0)
+    timeout_s: float = Field(600.0, gt=0)
+    max_attempts: int = Field(4, gt=0)
+    api_key_env: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        return {"source": v} if isinstance(v, str) else v
+
+    @field_validator("url")
+    @classmethod
+    def _urls_are_http(cls, v: Any) -> Any:
+        return ServerSpec._urls_are_http(v)
+
+    @property
+    def urls(self) -> list[str]:
+        """The configured URLs (empty = the pipeline's server resource)."""
+        if self.url is None:
+            return []
+        return [self.url] if isinstance(self.url, str) else list(self.url)
+
+
 class TrainingSpec(_Strict):
     """Drafter training settings (EAGLE-3 defaults: 7 TTT steps, 32k draft vocab).
 
     The run length is ``train_tokens`` capped at ``epochs`` passes (see ``eagle_assets.drafter.recipe``, which also
-    gives recommended values per target class). Held-out rows: per partition, ``holdout_rows`` rows (or, when
-    null, a ``holdout_fraction`` share) are never trained on and give the ``acceptance_length`` check; the next
-    ``validation_rows`` rows per partition are not trained on either and give the learning curve and early stopping.
+    gives recommended values per target class). Held-out rows (``assets.training.row_splits``): per partition a
+    ``holdout_fraction`` share by keyed hash, at most ``holdout_rows``, never trained on; ``validation_rows`` of them
+    give the learning curve and early stopping, the rest are the ``acceptance_length`` check's test rows.
     """
 
     draft_vocab_size: int = Field(32000, gt=0)
@@ -327,9 +397,9 @@ class TrainingSpec(_Strict):
     max_length: int = Field(2048, gt=0)
     batch_tokens: int = Field(16384, gt=0)
     seed: int = 0
-    holdout_fraction: float = Field(0.1, ge=0, lt=1)
-    holdout_rows: int | None = Field(None, ge=0)  # a fixed count per partition instead of holdout_fraction
-    validation_rows: int = Field(0, ge=0)  # per partition, for the learning curve and early stopping
+    holdout_fraction: float = Field(0.1, ge=0, lt=1)  # share of each partition never trained on (keyed hash)
+    holdout_rows: int | None = Field(None, ge=0)  # at most this many held-out rows per partition (null = no cap)
+    validation_rows: int = Field(0, ge=0)  # of the held-out rows per partition: these steer training (at most half)
     eval_every_tokens: int = Field(0, ge=0)  # learning-curve points every this many training tokens (0 = end only)
     patience: int = Field(0, ge=0)  # early stop after this many points without a val-tau gain of min_delta (0 = off)
     min_delta: float = Field(0.0, ge=0)
@@ -348,7 +418,13 @@ class TrainingSpec(_Strict):
     # as small as the demo's runs its many small ops fastest on one thread, and two threads on two busy cores stall
     # each other at every op.
     threads: int | None = Field(None, gt=0)
+    # How drafter_checkpoint runs the trainer: inline (in the step's process) or torchrun (the training command in
+    # nproc_per_node data-parallel processes, through Dagster Pipes; eagle_assets.drafter.train_command). The weights
+    # do not depend on it (up to float rounding: eagle_assets.drafter.distributed).
+    launcher: Literal["inline", "torchrun"] = "inline"
+    nproc_per_node: int = Field(1, gt=0)
     mix: MixSpec = Field(default_factory=MixSpec)
+    features: FeaturesSpec = Field(default_factory=FeaturesSpec)  # local | served (docs/served_features.md)
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -449,7 +525,7 @@ def _field_path(loc: tuple[Any, ...]) -> str:
 def _all_field_names() -> set[str]:
     names: set[str] = set()
     for model in (TargetSpec, ServerSpec, SamplingSpec, Thresholds, ShareLevels, LiveSpec, SourceSpec, PartitionSpec,
-                  BucketCap, MixSpec, TrainingSpec, Catalog):
+                  BucketCap, MixSpec, FeaturesSpec, TrainingSpec, Catalog):
         names.update(model.model_fields)
     return names
 

@@ -33,6 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -173,7 +174,9 @@ def run_generation(
     """Generate every prompt not yet in ``out_dir``'s shards; append new shards; rewrite ``failures.parquet``.
 
     Args:
-        prompts: (sample_id, prompt_ids) pairs; ids are ints of the target vocab; a repeated sample id is sent once.
+        prompts: (sample_id, prompt_ids) pairs, or a ``prompts_file.PromptsFile`` (read one record batch at a time,
+            so the partition's prompt ids are never all in memory); ids are ints of the target vocab; a repeated
+            sample id is sent once (its first row).
         out_dir: the partition's generations directory (created if missing).
         client: an ``eagle_assets.serving.client.GenerateClient`` (or anything with the same ``generate_many``).
         sampling: ``SamplingParams`` with an explicit ``max_new_tokens``.
@@ -208,6 +211,20 @@ def run_generation(
                            None if control_ids is None else frozenset(control_ids))
 
 
+def _generation_table(rows: list[dict]) -> pa.Table:
+    """``rows`` (dicts of ``GENERATION_SCHEMA``'s columns, ``output_ids`` validated ints of the target vocab) as a
+    table. The ids go through numpy, which converts Python ints ~15x faster than ``pa.Table.from_pylist`` (~1.8
+    ms per 1,000-id reply on this machine, the client's largest cost per request at a zero-latency server)."""
+    ids = [np.asarray(r["output_ids"], dtype=np.int32) for r in rows]
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([len(a) for a in ids], out=offsets[1:])
+    values = pa.array(np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32))
+    columns = {name: pa.array([r[name] for r in rows], type=GENERATION_SCHEMA.field(name).type)
+               for name in GENERATION_SCHEMA.names if name != "output_ids"}
+    columns["output_ids"] = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values)
+    return pa.table([columns[name] for name in GENERATION_SCHEMA.names], schema=GENERATION_SCHEMA)
+
+
 def _seed_monitor(monitor, out_dir: Path, wanted: set[str]) -> None:
     # one shard at a time: a large partition's rows are never all in memory at once
     def rows() -> Iterator[dict]:
@@ -225,17 +242,29 @@ def _seed_monitor(monitor, out_dir: Path, wanted: set[str]) -> None:
 def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows, flush_seconds, progress,
                 progress_every_s, monitor=None, alarm=None, control_ids: frozenset[int] | None = None
                 ) -> GenerationStats:
+    from eagle_assets.prompts_file import PromptsFile
     from eagle_assets.serving.client import run_sync
 
     done = read_done_ids(out_dir)
-    todo, seen = [], set()
-    for sid, ids in prompts:
-        if sid in seen:
-            continue
-        seen.add(sid)
-        if sid not in done:
-            todo.append((sid, list(ids)))
-    stats = GenerationStats(prompts=len(seen), requested=len(todo), skipped_done=len(seen) - len(todo))
+    # Prompts stream from their file (a PromptsFile: one record batch at a time) or from the sequence given; only
+    # sample ids are held for the whole partition. A repeated sample id is sent once (its first row).
+    if isinstance(prompts, PromptsFile):
+        first, source = prompts.index, prompts.iter_prompts
+    else:
+        prompts = prompts if isinstance(prompts, Sequence) else list(prompts)
+        first = {}
+        for i, (sid, _) in enumerate(prompts):
+            first.setdefault(sid, i)
+        source = lambda: iter(prompts)  # noqa: E731
+    seen = first.keys()
+    requested = sum(1 for sid in first if sid not in done)
+
+    def todo() -> Iterator[tuple[str, list[int]]]:
+        for i, (sid, ids) in enumerate(source()):
+            if first.get(sid) == i and sid not in done:
+                yield sid, list(ids)
+
+    stats = GenerationStats(prompts=len(first), requested=requested, skipped_done=len(first) - requested)
     old_failures = [f for f in _read_failures(out_dir / FAILURES_FILE) if f["sample_id"] not in done]
     new_failures: dict[str, dict] = {}
     buffer: list[dict] = []
@@ -274,7 +303,7 @@ def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows
     def pending() -> Iterator[tuple[str, list[int]]]:
         # the client pulls items lazily, one per free worker: ending this iterator is how a stop takes effect
         nonlocal sent
-        for item in todo:
+        for item in todo():
             if monitor is not None and monitor.stop is not None:
                 return
             sent += 1
@@ -284,7 +313,7 @@ def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows
         nonlocal buffer, last_flush
         if buffer:
             rows, buffer = buffer, []
-            write_parquet_atomic(pa.Table.from_pylist(rows, schema=GENERATION_SCHEMA), next_shard_path(out_dir))
+            write_parquet_atomic(_generation_table(rows), next_shard_path(out_dir))
             stats.shards_written += 1
         last_flush = time.monotonic()
 
@@ -378,14 +407,14 @@ def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows
 
     write_live()
     try:
-        if todo:
+        if requested:
             run_sync(generate())
     finally:
         flush()
         stats.wall_s = time.monotonic() - started
         if monitor is not None and monitor.stop is not None:
             stats.stopped_early, stats.stop_reason = True, monitor.stop.message()
-        stats.not_sent = len(todo) - sent
+        stats.not_sent = requested - sent
         done_now = read_done_ids(out_dir)
         merged = {f["sample_id"]: f for f in old_failures if f["sample_id"] in seen and f["sample_id"] not in done_now}
         merged.update({k: v for k, v in new_failures.items() if k not in done_now})

@@ -6,7 +6,10 @@ Kubernetes Job, built by dagster-k8s from the run launcher's settings (image, en
 per step, from :func:`step_k8s_config` (the executor's ``per_step_k8s_config``, keyed by op name, which dagster-k8s
 merges over the step's ``dagster-k8s/config`` op tags: ``K8sStepHandler._get_container_context``):
 
-- ``drafter_checkpoint``: GPUs (``nvidia.com/gpu``), a memory-backed ``/dev/shm``, the GPU taint tolerated.
+- ``drafter_checkpoint``: GPUs (``nvidia.com/gpu``), a memory-backed ``/dev/shm``, the GPU taint tolerated: one
+  for the inline trainer, ``training.nproc_per_node`` with ``training.launcher: torchrun`` (one per rank, with
+  :data:`CPU_PER_GPU` CPUs and :data:`MEMORY_GI_PER_GPU` GiB each; :func:`training_gpus`). The built-in trainer
+  computes on CPU today (``eagle_assets.drafter.distributed``), so what its processes use is the CPUs.
 - ``generations``: GPUs only when the catalog launches SGLang in the step (``server.url`` null, ``launch: sglang``),
   as many as the server's ``--tp`` x ``--dp`` in ``server.extra_args``; an HTTP client on CPU when it connects to a
   fleet (``server.url``) or launches the embedded CPU server. The pod gets the API key, when the catalog names
@@ -42,7 +45,7 @@ CLIENT_CPU = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "8
 CPU_PER_GPU, MEMORY_GI_PER_GPU = 8, 64
 SMALL_STEPS = ("raw_prompts", "length_report", "draft_vocab", "training_mix")
 TOKENIZER_STEPS = ("tokenized_prompts", "qc_shards")
-TRAINING_GPUS = 1  # the built-in trainer runs on one device
+TRAINING_GPUS = 1  # the inline trainer: one process
 
 
 def executor_kind(kind: str | None = None) -> str:
@@ -80,6 +83,12 @@ def server_gpus(catalog: Catalog) -> int:
     return tp * dp
 
 
+def training_gpus(catalog: Catalog) -> int:
+    """GPUs of the ``drafter_checkpoint`` pod: :data:`TRAINING_GPUS` inline, one per process under torchrun."""
+    t = catalog.training
+    return int(t.nproc_per_node) if t.launcher == "torchrun" else TRAINING_GPUS
+
+
 def _gpu_step(gpus: int) -> dict:
     memory = f"{MEMORY_GI_PER_GPU * gpus}Gi"
     return {
@@ -106,7 +115,7 @@ def step_k8s_config(catalog: Catalog) -> dict[str, dict]:
         generations["container_config"]["env"] = [
             {"name": key_env, "value_from": {"secret_key_ref": {"name": API_KEY_SECRET, "key": key_env}}}]
     steps["generations"] = generations
-    steps["drafter_checkpoint"] = _gpu_step(TRAINING_GPUS)
+    steps["drafter_checkpoint"] = _gpu_step(training_gpus(catalog))
     return steps
 
 

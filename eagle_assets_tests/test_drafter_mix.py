@@ -104,23 +104,28 @@ def test_bad_inputs_are_refused():
     assert build_mix([], MixSpec()).selected == []
 
 
-def test_held_out_splits_are_disjoint_fixed_per_partition_and_stable():
+def test_held_out_splits_are_disjoint_capped_per_partition_and_stable():
     from eagle_assets.assets.training import is_holdout, row_splits
     from eagle_assets.catalog import TrainingSpec
 
     ids = [f"P-{i:03d}" for i in range(48)]
-    counted = TrainingSpec(holdout_rows=30, validation_rows=4, seed=0)
-    splits = row_splits(ids, counted)
-    assert [sum(v == s for v in splits.values()) for s in ("train", "validation", "test")] == [18, 4, 26]
-    # Fewer rows than asked: all held out, validation first served from the held-out rows.
-    small = row_splits(ids[:10], counted)
-    assert sorted(small.values()) == ["test"] * 6 + ["validation"] * 4
-    # A row added later moves at most one row of each split (ids keep their keyed hash).
-    grown = row_splits(ids + ["P-new"], counted)
+    capped = TrainingSpec(holdout_fraction=0.8, holdout_rows=34, validation_rows=4, seed=0)
+    splits = row_splits(ids, capped)
+    counts = [sum(v == s for v in splits.values()) for s in ("train", "validation", "test")]
+    assert counts == [14, 4, 30]
+    # Held out rows are a subset of the fraction's rows (lowest hash first): training rows are never a guess.
+    assert all(is_holdout(s, 0.8, 0) for s, v in splits.items() if v != "train")
+    # A small partition keeps its share of training rows; validation takes at most half of the held-out rows.
+    small = row_splits(ids[:10], capped)
+    assert sum(v == "train" for v in small.values()) == sum(not is_holdout(s, 0.8, 0) for s in ids[:10])
+    held = sum(v != "train" for v in small.values())
+    assert sum(v == "validation" for v in small.values()) == min(4, held // 2)
+    # A row added later moves at most a few rows between splits (ids keep their keyed hash).
+    grown = row_splits(ids + ["P-new"], capped)
     assert sum(grown[s] != splits[s] for s in ids) <= 2
-    # Fraction mode: the training rows are exactly the ids is_holdout leaves out (what the mix may take).
+    # Without a cap: the training rows are exactly the ids is_holdout leaves out (what the mix may take).
     fraction = TrainingSpec(holdout_fraction=0.25, validation_rows=2, seed=3)
     by_fraction = row_splits(ids, fraction)
     assert {s for s, v in by_fraction.items() if v == "train"} == {s for s in ids if not is_holdout(s, 0.25, 3)}
     assert sum(v == "validation" for v in by_fraction.values()) == 2
-    assert row_splits(ids, TrainingSpec(holdout_rows=30, validation_rows=4, seed=1)) != splits  # seeded
+    assert row_splits(ids, TrainingSpec(holdout_fraction=0.8, holdout_rows=34, validation_rows=4, seed=1)) != splits

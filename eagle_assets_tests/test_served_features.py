@@ -183,6 +183,48 @@ def test_launch_flags(demo_target):
     assert info["return_aux_hidden_state_layer_ids"] == [0, 3, 5] and info["speculative_algorithm"] is None
 
 
+def test_sglang_command_passes_non_default_layer_ids(demo_target):
+    """The sglang launch mode's command line for served features: ``--return-aux-hidden-state-layer-ids`` only
+    when the catalog's ``aux_layer_ids`` (capture ids) differ from SGLang's default, written under the target's
+    own layer-id rule (built, not run: no SGLang here)."""
+    from eagle_assets.serving.launch import server_command
+
+    def command(config, capture_ids, **kw):
+        cmd, shown = server_command("/models/m", launch="sglang", port=30000, python="python",
+                                    aux_capture=AuxCapture.for_target(config, capture_ids, max_row_tokens=4096), **kw)
+        return cmd, shown
+
+    qwen3 = json.loads((demo_target / "config.json").read_text())  # 8 layers, +1 rule, default [2, 4, 5]
+    cmd, _ = command(qwen3, None)
+    assert cmd == ["python", "-m", "sglang.launch_server", "--model-path", "/models/m", "--host", "127.0.0.1",
+                   "--port", "30000", "--speculative-algorithm", "EAGLE3", "--enable-return-aux-hidden-states",
+                   "--disable-radix-cache", "--chunked-prefill-size", "8192"]
+    assert command(qwen3, [5, 2, 4])[0] == cmd  # the default set, in any order: no flag
+    cmd, _ = command(qwen3, [1, 3, 7])
+    i = cmd.index("--return-aux-hidden-state-layer-ids")
+    assert cmd[i + 1:i + 4] == ["0", "2", "6"] and "--return-aux-hidden-state-layer-ids" not in cmd[i + 4:]
+    assert capture_ids_from_flag([0, 2, 6], 8, "plus_one") == [1, 3, 7]
+    # DeepSeek-V3/R1 and Kimi-K2.5 (deepseek_v2.py's rule): ids as given, unless the list starts with 1
+    deepseek = {"model_type": "deepseek_v3", "num_hidden_layers": 61}
+    kimi = {"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2", "num_hidden_layers": 61}}
+    for config in (deepseek, kimi):
+        assert "--return-aux-hidden-state-layer-ids" not in command(config, [2, 30, 58])[0]
+        cmd, _ = command(config, [3, 30, 57])
+        i = cmd.index("--return-aux-hidden-state-layer-ids")
+        assert cmd[i + 1:i + 4] == ["3", "30", "57"]
+        cmd, _ = command(config, [1, 30, 58])  # a leading 1 would shift every id: the largest goes first
+        i = cmd.index("--return-aux-hidden-state-layer-ids")
+        assert cmd[i + 1:i + 4] == ["58", "1", "30"]
+        assert capture_ids_from_flag([58, 1, 30], 61, "deepseek") == [1, 30, 58]
+    # the user's own flags win, and the API key never shows in the logged command
+    cmd, shown = command(deepseek, [3, 30, 57], extra_args=["--tp", "8", "--chunked-prefill-size", "32768"],
+                         api_key="s3cret")
+    assert cmd.count("--chunked-prefill-size") == 1 and cmd[cmd.index("--chunked-prefill-size") + 1] == "32768"
+    assert "s3cret" in cmd and "s3cret" not in shown and "***" in shown
+    with pytest.raises(AuxCaptureError, match="would be the input of layer 8"):  # no layer 8 to capture the input of
+        AuxCapture.for_target(qwen3, [2, 4, 8])
+
+
 # --------------------------------------------------------------------------------------- features vs local ones
 def test_served_aux_hidden_states_equal_local_features(demo_target, served, local, rows):
     source = _source(demo_target, served.url, teacher="hard")
@@ -385,7 +427,7 @@ def test_refused_rows_are_counted_not_fatal(demo_target, served, rows):
     bad = (np.array([1, 2, 10**6, 3]), np.array([0, 0, 1, 1], dtype=np.int8))
     got = list(served_features([rows[1], bad, rows[2]], source))
     assert [type(g).__name__ for g in got] == ["RowFeatures", "RefusedRow", "RowFeatures"]
-    assert source.stats.refused == {"http_4xx": 1} and source.stats.rows_ok == 2
+    assert source.stats.refused == {"bad_request": 1} and source.stats.rows_ok == 2
 
 
 def test_feature_cache_modes_agree(demo_target, served, rows, tmp_path):
@@ -423,3 +465,86 @@ def test_source_without_url_until_a_server_is_launched(demo_target, served, rows
         list(served_features(rows[:1], source))
     source.use_urls(served.url + "/generate")
     assert [type(f).__name__ for f in served_features(rows[:2], source)] == ["RowFeatures", "RowFeatures"]
+
+
+class _FaultProxy:
+    """An aiohttp proxy in front of the real server that spoils chosen replies (``script``: rid -> actions, one per
+    attempt: ``short`` cuts the hidden-state block, ``503`` answers Service Unavailable, ``pass`` forwards)."""
+
+    def __init__(self, upstream: str, script: dict[str, list[str]]):
+        import asyncio
+        import threading
+
+        self.upstream, self.script, self.seen = upstream, {k: list(v) for k, v in script.items()}, []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    async def _generate(self, request):
+        import aiohttp
+        from aiohttp import web
+
+        raw = await request.read()
+        rid = json.loads(raw).get("rid")
+        self.seen.append(rid)
+        action = self.script.get(rid, []).pop(0) if self.script.get(rid) else "pass"
+        if action == "503":
+            return web.Response(status=503, text="busy")
+        async with aiohttp.ClientSession() as session:
+            async with session.post(self.upstream + "/generate", data=raw,
+                                    headers={"Content-Type": "application/json"}) as resp:
+                status, body = resp.status, await resp.read()
+        if action == "short" and status == 200:
+            reply = json.loads(body)
+            reply["meta_info"]["hidden_states"][0] = reply["meta_info"]["hidden_states"][0][2:]
+            body = json.dumps(reply).encode()
+        return web.Response(status=status, body=body, content_type="application/json")
+
+    async def _info(self, request):
+        from aiohttp import web
+
+        with urllib.request.urlopen(self.upstream + "/server_info") as resp:  # tiny, local: blocking is fine
+            return web.Response(body=resp.read(), content_type="application/json")
+
+    def __enter__(self):
+        import asyncio
+
+        from aiohttp import web
+
+        self._thread.start()
+
+        async def start():
+            app = web.Application()
+            app.router.add_post("/generate", self._generate)
+            app.router.add_get("/server_info", self._info)
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            await site.start()
+            return site._server.sockets[0].getsockname()[1]
+
+        self.url = f"http://127.0.0.1:{asyncio.run_coroutine_threadsafe(start(), self._loop).result(10)}"
+        return self
+
+    def __exit__(self, *exc):
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def test_bad_replies_are_retried_by_the_serving_client_then_refused(demo_target, served, rows):
+    """HTTP, retries and backoff are the serving client's: a spoiled reply or a 503 is retried; a row whose replies
+    stay unusable is refused with the reason after max_attempts, and the other rows are unaffected."""
+    script = {"0": ["short"], "1": ["503", "503"], "2": ["short", "short", "short"]}
+    with _FaultProxy(served.url, script) as proxy:
+        source = _source(demo_target, proxy.url, teacher="hard", max_attempts=3, concurrency=2)
+        got = list(served_features(rows[:4], source))
+    assert [type(g).__name__ for g in got] == ["RowFeatures", "RowFeatures", "RefusedRow", "RowFeatures"]
+    assert got[2].reason == "short_prefill" and "3 attempts" in got[2].detail
+    assert "--chunked-prefill-size" in got[2].detail
+    assert sorted(proxy.seen) == ["0", "0", "1", "1", "1", "2", "2", "2", "3"]
+    assert source.stats.requests == 9 and source.stats.retries == 5
+    assert source.stats.refused == {"short_prefill": 1} and source.stats.rows_ok == 3
+    direct = list(served_features(rows[:2], _source(demo_target, served.url, teacher="hard")))
+    assert all(torch.equal(a.aux_hidden, b.aux_hidden) for a, b in zip(got[:2], direct))

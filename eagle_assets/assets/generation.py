@@ -10,14 +10,19 @@ keeping every row generated.
 from pathlib import Path
 
 import dagster as dg
-import pyarrow.parquet as pq
 
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.versions import (directory_content_version, generation_fingerprint,
                                           generation_inputs_changed, record_generation_inputs)
 from eagle_assets.generation import FAILURES_FILE, LIVE_STATS_FILE, PartitionBusyError, run_generation
+from eagle_assets.prompts_file import PromptsFile
 from eagle_assets.storage import read_done_ids
 from eagle_assets.serving.resource import SGLangServerResource
+
+
+# rows per generations shard: ~1,000-token replies make shards of a few MB (a 1M-row partition: ~1,000 shards);
+# the timer still flushes every flush_seconds, so a kill loses at most that much work
+FLUSH_ROWS = 1024
 
 
 class GenerationRunConfig(dg.Config):
@@ -92,15 +97,12 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
                                 "generating every prompt again instead of resuming")
         if config.regenerate:
             context.log.info(f"regenerate=True: existing shards of {key} are removed and generated again")
-        prompts_file = layout.stage_dir("tokenized_prompts", key) / "prompts.parquet"
-        columns = ["sample_id", "prompt_ids"]
-        if "prompt_opens_think" in pq.read_schema(prompts_file).names:
-            columns.append("prompt_opens_think")
-        table = pq.read_table(prompts_file, columns=columns)
-        sample_ids = table.column("sample_id").to_pylist()
-        prompts = list(zip(sample_ids, table.column("prompt_ids").to_pylist()))
-        opens_think = (dict(zip(sample_ids, table.column("prompt_opens_think").to_pylist()))
-                       if "prompt_opens_think" in columns else None)
+        if spec.prompt_policy == "all_turns":  # every assistant turn regenerated on-policy (eagle_assets.conversation)
+            from eagle_assets.assets.conversations import conversation_generations
+
+            return conversation_generations(context, settings, target, sglang, out, fingerprint, regenerate)
+        # read lazily (prompts_file): sample ids up front, prompt ids a row group at a time as requests go out
+        prompts = PromptsFile(layout.stage_dir("tokenized_prompts", key) / "prompts.parquet")
         model_dir = target.resolve()
         tokenizer = load_tokenizer(model_dir)
         profile = detect_profile(tokenizer, catalog.target.profile or None)
@@ -117,7 +119,7 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
             skip_special_tokens=False,
         )
         # A finished partition needs no server: do not launch one just to send nothing.
-        pending = regenerate or not {sid for sid, _ in prompts} <= read_done_ids(out)
+        pending = regenerate or not prompts.index.keys() <= read_done_ids(out)
         urls = sglang.base_urls(str(model_dir)) if pending else []
         client = GenerateClient(
             urls,
@@ -130,13 +132,13 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         # rows arriving, so it skips the (vocab-sized) blank-id scan.
         monitor = LiveQualityMonitor(
             profile, spec.thresholds, spec.live, blank_ids=blank_token_ids(tokenizer),
-            tool_call_in_reasoning=spec.tool_call_in_reasoning, prompt_opens_think=opens_think, partition=key,
-            prompt_ids=dict(prompts), vocab_size=vocab_size, control_ids=control,
+            tool_call_in_reasoning=spec.tool_call_in_reasoning, prompt_opens_think=prompts.opens_map(profile),
+            partition=key, prompt_ids=prompts.ids_map(), vocab_size=vocab_size, control_ids=control,
         ) if pending else None
         context.log.info(f"generating {len(prompts)} prompts of {key} against {shown_urls or 'no server (all done)'}")
         try:
             stats = run_generation(
-                prompts, out, client, sampling, vocab_size, progress=context.log.info,
+                prompts, out, client, sampling, vocab_size, progress=context.log.info, flush_rows=FLUSH_ROWS,
                 regenerate=regenerate, monitor=monitor, alarm=context.log.warning, control_ids=control,
             )
         except PartitionBusyError as exc:

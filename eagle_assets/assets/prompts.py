@@ -2,29 +2,26 @@
 
 
 import hashlib
-import json
 from collections import Counter
 
 import dagster as dg
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.versions import directory_content_version
 from eagle_assets.formats.rows import RAW_SCHEMA, REJECT_SCHEMA, collect_prompt_rows
 from eagle_assets.storage import write_parquet_atomic
+from eagle_assets.tokenize_pass import TOKENIZED_SCHEMA, tokenize_partition  # noqa: F401
 
 # RAW_SCHEMA and REJECT_SCHEMA (raw_prompts' prompt and reject rows) live in eagle_assets.formats.rows.
-TOKENIZED_SCHEMA = pa.schema(
-    [
-        ("sample_id", pa.string()),
-        ("prompt_ids", pa.list_(pa.int32())),
-        ("n_prompt_tokens", pa.int32()),
-        ("template_hash", pa.string()),
-        ("prompt_opens_think", pa.bool_()),
-        ("render_flags", pa.string()),
-    ]
-)
+# TOKENIZED_SCHEMA (tokenized_prompts' rows) lives in eagle_assets.tokenize_pass, which writes them.
+
+
+def _first_mode(spec):
+    # all_turns renders turn 1 here with its first thinking mode; conversation.rollout renders every turn and mode
+    from eagle_assets.conversation.walk import thinking_modes
+
+    return thinking_modes(spec.enable_thinking)[0][1]
 
 
 def _sample_order(seed: int, sid: str) -> str:
@@ -100,52 +97,31 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
     ) -> dg.MaterializeResult:
         """Prompt token ids from the target's chat template (add_generation_prompt=True), rendered once, never re-tokenized."""
         from eagle_assets.target_model.profile import detect_profile
-        from eagle_assets.target_model.render import RenderError, render_prompt
         from eagle_assets.target_model.tokenizer import load_tokenizer
 
         key = context.partition_key
         catalog = settings.catalog()
         spec = catalog.partitions[key]
         layout = settings.layout()
-        raw = pq.read_table(layout.stage_dir("raw_prompts", key) / "prompts.parquet").to_pylist()
         tokenizer = load_tokenizer(target.resolve())
         profile = detect_profile(tokenizer, catalog.target.profile or None)
-        rows, rejects = [], []
-        for r in raw:
-            messages = json.loads(r["messages"])
-            tools = json.loads(r["tools"]) if r["tools"] else None
-            try:
-                rendered = render_prompt(tokenizer, messages, tools, enable_thinking=spec.enable_thinking,
-                                         max_prompt_tokens=spec.max_prompt_tokens, profile=profile)
-            except RenderError as exc:
-                rejects.append({"source_file": r["source_file"], "source_row": r["source_row"],
-                                "sample_id": r["sample_id"], "reason": exc.reason, "detail": str(exc)[:1000]})
-                continue
-            ids = list(rendered.prompt_ids)
-            rows.append({
-                "sample_id": r["sample_id"],
-                "prompt_ids": ids,
-                "n_prompt_tokens": len(ids),
-                "template_hash": rendered.template_hash,
-                # the renderer's rule (render.opens_think_block), never a second one: QC, live quality and the
-                # client read this column
-                "prompt_opens_think": rendered.opens_think,
-                "render_flags": json.dumps(rendered.flags, sort_keys=True, default=str),
-            })
         out = layout.stage_dir("tokenized_prompts", key)
-        write_parquet_atomic(pa.Table.from_pylist(rows, schema=TOKENIZED_SCHEMA), out / "prompts.parquet")
-        write_parquet_atomic(pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA), out / "rejects.parquet")
-        lengths = sorted(r["n_prompt_tokens"] for r in rows)
+        # record batches in, one row group per batch out (tokenize_pass): memory does not grow with the partition
+        result = tokenize_partition(layout.stage_dir("raw_prompts", key) / "prompts.parquet", out, tokenizer,
+                                    profile, enable_thinking=_first_mode(spec),
+                                    max_prompt_tokens=spec.max_prompt_tokens,
+                                    first_turn=spec.prompt_policy == "all_turns")
         return dg.MaterializeResult(
             data_version=dg.DataVersion(directory_content_version(out, ("prompts.parquet", "rejects.parquet"))),
             metadata={
-                "dagster/row_count": len(rows),
-                "rejected": len(rejects),
-                "reject_reasons": _reason_table(Counter(r["reason"] for r in rejects)),
-                "prompt_tokens_median": lengths[len(lengths) // 2] if lengths else 0,
-                "prompt_tokens_max": lengths[-1] if lengths else 0,
-                "share_opens_think": (sum(r["prompt_opens_think"] for r in rows) / len(rows)) if rows else 0.0,
-                "template_hash": rows[0]["template_hash"] if rows else "",
+                "dagster/row_count": result.rows,
+                "rejected": result.rejected,
+                "reject_reasons": _reason_table(result.reasons),
+                "prompt_tokens_median": result.median_tokens,
+                "prompt_tokens_max": result.max_tokens,
+                "share_opens_think": result.opens_think / result.rows if result.rows else 0.0,
+                "template_hash": result.template_hash,
+                "render_batches": result.batches,
                 "family_profile": profile.name,
                 "path": dg.MetadataValue.path(str(out)),
             }

@@ -71,6 +71,7 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
     )
     def qc_shards(context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel):
         """Training rows input_ids = prompt_ids + output_ids with loss_mask; broken rows dropped with a named reason."""
+        from eagle_assets.prompts_file import PromptsFile
         from eagle_assets.target_model.profile import detect_profile, target_vocab_size
         from eagle_assets.target_model.render import control_token_ids, opens_think_block
         from eagle_assets.target_model.tokenizer import load_tokenizer
@@ -89,7 +90,12 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
         control = control_token_ids(tokenizer)
         # shard by shard and batch by batch (quality.qc_pass): shards of other producers may differ in columns and
         # types (int64 ids, no matched_stop); each row is held to the rules on its own
-        prompts = pq.read_table(layout.stage_dir("tokenized_prompts", key) / "prompts.parquet")
+        # the prompts a row group at a time (prompts_file): their ids never all in memory
+        prompts = PromptsFile(layout.stage_dir("tokenized_prompts", key) / "prompts.parquet")
+        if spec.prompt_policy == "all_turns":  # one prompt per turn, rendered by conversation.rollout
+            from eagle_assets.conversation.rollout import turn_prompts
+
+            prompts = turn_prompts(layout.stage_dir("generations", key))
         max_new = spec.sampling.max_new_tokens
         out = layout.stage_dir("qc_shards", key)
         result = qc_partition(
@@ -139,6 +145,7 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
                 "share_truncated": length.figures.get("share_truncated", 0.0),
                 "length_histogram": dg.MetadataValue.md(png_markdown(png, f"{key} lengths")),
                 "path": dg.MetadataValue.path(str(out)),
+                **_by_turn_metadata(spec, out, layout.stage_dir("generations", key)),
             }
         )
         yield dg.AssetCheckResult(
@@ -174,6 +181,7 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
                 series[t.column("partition")[0].as_py()] = t.column("completion_tokens").to_pylist()
         png = length_histogram_png(series, "completion tokens by partition", short_tokens=short)
         (out / "lengths.png").write_bytes(png)
+        by_turn = _turn_length_report(catalog, layout, out, short)
         missing = [k for k, f in zip(catalog.partition_keys, files) if not f.exists()]
         if missing:
             context.log.info(f"partitions without QC rows yet: {missing}")
@@ -184,10 +192,37 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
                 "report": dg.MetadataValue.md(table_md),
                 "histogram": dg.MetadataValue.md(png_markdown(png, "lengths by partition")),
                 "path": dg.MetadataValue.path(str(out / "report.md")),
+                **by_turn,
             }
         )
 
     return [qc_shards, length_report]
+
+
+def _by_turn_metadata(spec, qc_dir: Path, generations_dir: Path) -> dict:
+    """QC figures by thinking mode and turn of an ``all_turns`` partition (``conversation.report``); {} otherwise."""
+    if spec.prompt_policy != "all_turns":
+        return {}
+    from eagle_assets.conversation.report import qc_by_turn
+    from eagle_assets.conversation.rollout import TURNS_FILE
+
+    return {"qc_by_turn": dg.MetadataValue.json(qc_by_turn(qc_dir / "rows.parquet", generations_dir / TURNS_FILE))}
+
+
+def _turn_length_report(catalog, layout, out: Path, short: int) -> dict:
+    """The length table by thinking mode and turn of the ``all_turns`` partitions: ``report_by_turn.md`` beside
+    the report, and its metadata entry ({} when no partition has turns)."""
+    from eagle_assets.conversation.report import format_turn_table, turn_length_report
+    from eagle_assets.conversation.rollout import TURNS_FILE
+
+    pairs = [(layout.stage_dir("qc_shards", k) / "rows.parquet", layout.stage_dir("generations", k) / TURNS_FILE)
+             for k, p in catalog.partitions.items() if p.prompt_policy == "all_turns"]
+    rows = turn_length_report(pairs, short_tokens=short)
+    if not rows:
+        return {}
+    table = format_turn_table(rows)
+    (out / "report_by_turn.md").write_text(table + "\n")
+    return {"report_by_turn": dg.MetadataValue.md(table)}
 
 
 def passing_partitions(settings: PipelineSettings) -> tuple[list[str], dict[str, str]]:

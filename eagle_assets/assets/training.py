@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 
 from eagle_assets.assets.qc import passing_partitions
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
+from eagle_assets.serving.resource import SGLangServerResource
 from eagle_assets.provenance import write_provenance
 from eagle_assets.storage import write_json_atomic
 
@@ -38,17 +39,18 @@ SPLITS = ("train", "validation", "test")
 def row_splits(sample_ids: list[str], training) -> dict[str, str]:
     """``sample_id -> "train" | "validation" | "test"`` for one partition's QC rows.
 
-    Held out (never trained on): the ``training.holdout_rows`` ids of lowest keyed hash (:func:`_holdout_rank`), or,
-    when that is null, every id :func:`is_holdout` under ``holdout_fraction``. Of those, the ``validation_rows`` of
-    highest hash are validation rows; the rest are test rows. So the training rows of a fraction split are exactly
-    the ids :func:`is_holdout` leaves out, and a validation set never overlaps the test set.
+    Held out (never trained on): every id :func:`is_holdout` puts under ``training.holdout_fraction``, at most
+    ``training.holdout_rows`` of them (lowest keyed hash first; null = no cap). So a large fraction with a cap gives
+    the same count in every partition big enough (the default catalog: 34 of 48), and a small partition keeps its
+    share of training rows. Of the held-out rows, the ``validation_rows`` of highest hash (at most half of them)
+    steer training; the rest are the acceptance check's test rows. The training rows are exactly the ids
+    :func:`is_holdout` leaves out, and validation never overlaps the test rows.
     """
     ranked = sorted(sample_ids, key=lambda s: (_holdout_rank(s, training.seed), s))
+    held = [s for s in ranked if is_holdout(s, training.holdout_fraction, training.seed)]
     if training.holdout_rows is not None:
-        held = ranked[: training.holdout_rows]
-    else:
-        held = [s for s in ranked if is_holdout(s, training.holdout_fraction, training.seed)]
-    n_val = min(training.validation_rows, len(held))
+        held = held[: training.holdout_rows]
+    n_val = min(training.validation_rows, len(held) // 2)
     out = {s: "train" for s in sample_ids}
     out.update({s: "test" for s in held[: len(held) - n_val]})
     out.update({s: "validation" for s in held[len(held) - n_val:]})
@@ -72,17 +74,32 @@ def load_split_rows(settings: PipelineSettings, keys: list[str], split: str):
     (one of :data:`SPLITS`), in shard order."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
+    return list(iter_split_rows(settings, keys, split))
+
+
+def iter_split_rows(settings: PipelineSettings, keys: list[str], split: str, wanted=None):
+    """``load_split_rows`` lazily: shard by shard, one record batch at a time, rows sliced from the batch's flat
+    arrays (never a whole partition's ids as Python lists). ``wanted``: a collection of ``(partition, sample_id)``
+    to keep (None = every row of the split)."""
+    from eagle_assets.storage import shard_paths
+
     training = settings.catalog().training
     layout = settings.layout()
-    out = []
     for key in keys:
-        t = _read_qc_shards(layout.base / "qc_shards" / key, ["sample_id", "input_ids", "loss_mask"])
-        sids = t.column("sample_id").to_pylist()
-        splits = row_splits(sids, training)
-        for sid, ids, mask in zip(sids, t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist()):
-            if splits[sid] == split:
-                out.append((sid, np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.int8), key))
-    return out
+        directory = layout.base / "qc_shards" / key
+        splits = row_splits(_read_qc_shards(directory, ["sample_id"]).column(0).to_pylist(), training)
+        for path in shard_paths(directory):
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=1024,
+                                                           columns=["sample_id", "input_ids", "loss_mask"]):
+                ids_col, mask_col = batch.column(1), batch.column(2)
+                ids_off, mask_off = ids_col.offsets.to_numpy(), mask_col.offsets.to_numpy()
+                ids_flat = ids_col.values.to_numpy().astype(np.int32, copy=False)
+                mask_flat = mask_col.values.to_numpy().astype(np.int8, copy=False)
+                for i, sid in enumerate(batch.column(0).to_pylist()):
+                    if splits[sid] != split or (wanted is not None and (key, sid) not in wanted):
+                        continue
+                    yield (sid, ids_flat[ids_off[i]:ids_off[i + 1]].copy(),
+                           mask_flat[mask_off[i]:mask_off[i + 1]].copy(), key)
 
 
 def load_training_rows(settings: PipelineSettings, keys: list[str], holdout: bool):
@@ -97,16 +114,19 @@ def mix_candidates(settings: PipelineSettings, keys: list[str]):
 
     from eagle_assets.drafter.mix import MixCandidate
 
+    from eagle_assets.storage import shard_paths
+
     training = settings.catalog().training
     out = []
     for key in keys:
-        t = _read_qc_shards(settings.layout().base / "qc_shards" / key, ["sample_id", "input_ids", "n_prompt_tokens"])
-        lengths = pc.subtract(pc.list_value_length(t.column("input_ids")), t.column("n_prompt_tokens")).to_pylist()
-        sids = t.column("sample_id").to_pylist()
-        splits = row_splits(sids, training)
-        for sid, n in zip(sids, lengths):
-            if splits[sid] == "train":
-                out.append(MixCandidate(key, sid, int(n)))
+        directory = settings.layout().base / "qc_shards" / key
+        splits = row_splits(_read_qc_shards(directory, ["sample_id"]).column(0).to_pylist(), training)
+        for path in shard_paths(directory):  # one shard's ids at a time, only their lengths kept
+            t = pq.read_table(path, columns=["sample_id", "input_ids", "n_prompt_tokens"])
+            lengths = pc.subtract(pc.list_value_length(t.column("input_ids")), t.column("n_prompt_tokens")).to_pylist()
+            for sid, n in zip(t.column("sample_id").to_pylist(), lengths):
+                if splits[sid] == "train":
+                    out.append(MixCandidate(key, sid, int(n)))
     return out
 
 
@@ -187,7 +207,13 @@ def build_training_assets() -> list:
                 metadata={"excluded": dg.MetadataValue.json(excluded)},
             )
         spec = settings.catalog().training.mix
-        result = build_mix(mix_candidates(settings, keys), spec, partitions=keys)
+        from eagle_assets.conversation.mix import build_turn_mix
+        from eagle_assets.conversation.rollout import turn_numbers
+
+        # all_turns partitions are mixed by turn (training.mix.turn_weights); the others exactly as build_mix does
+        turn_of = {(k, rid): t for k in keys
+                   for rid, t in turn_numbers(settings.layout().base / "generations" / k).items()}
+        result = build_turn_mix(mix_candidates(settings, keys), spec, keys, turn_of)
         for note in result.notes:
             context.log.warning(f"training mix: {note}")
         if not result.selected:
@@ -235,7 +261,8 @@ def build_training_assets() -> list:
                               "its spread, and on prompts from a source the drafter never trained on"),
         ],
     )
-    def drafter_checkpoint(context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel):
+    def drafter_checkpoint(context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel,
+                           sglang: SGLangServerResource):
         """EAGLE-3 drafter trained with TTT on the target's aux hidden states; SGLang-loadable checkpoint directory.
 
         Metadata: the run's size (rows, steps, epochs, tokens, seconds) and its learning curve (TTT loss and
@@ -245,7 +272,9 @@ def build_training_assets() -> list:
         from eagle_assets.drafter.learning_curve import curve_png, curve_table
         from eagle_assets.drafter.recipe import config_from_catalog
         from eagle_assets.drafter.train import train_drafter
+        from eagle_assets.catalog import CatalogError
         from eagle_assets.drafter.vocab import draft_vocab_from_arrays
+        from eagle_assets.formats import FormatError
         from eagle_assets.quality.plots import png_markdown
         from transformers import AutoModelForCausalLM
 
@@ -265,9 +294,27 @@ def build_training_assets() -> list:
                          f"{len(held)} test rows are held out")
         # The training state lives beside the checkpoint: a run killed mid-training (a worker lost, a retry) goes on
         # from its last saved step and ends with the weights an unbroken run would have.
-        result = train_drafter(model_dir, [(ids, mask) for _s, ids, mask, _k in rows], vocab, config,
-                               out / "checkpoint", log=_bounded_log(context.log.info), state_dir=out / "train_state",
-                               validation_rows=[(ids, mask) for _s, ids, mask, _k in validation])
+        train_rows = [(ids, mask) for _s, ids, mask, _k in rows]
+        val_rows = [(ids, mask) for _s, ids, mask, _k in validation]
+        # training.features: local (the target runs here) or served (SGLang in aux-capture mode: the catalog's
+        # features.url, else the server resource's, launched with the capture flags; shards cached beside us)
+        from eagle_assets.drafter.feature_source import resolve_features
+
+        features = resolve_features(t.features, model_dir, out / "features", t.aux_layer_ids, t.max_length,
+                                    lambda capture: sglang.base_urls(str(model_dir), aux_capture=capture),
+                                    sglang.api_key_env)
+        if features.source == "served" and t.launcher == "torchrun":
+            raise dg.Failure(description="training.features.source: served runs with training.launcher: "
+                             "inline; the torchrun launcher does not pass served features to its ranks yet")
+        if t.launcher == "torchrun":  # data-parallel processes through Dagster Pipes (assets/torchrun_launch.py)
+            from eagle_assets.assets.torchrun_launch import train_with_torchrun
+
+            result = train_with_torchrun(context, model_dir, train_rows, val_rows, vocab_dir, config, out,
+                                         t.nproc_per_node)
+        else:
+            result = train_drafter(model_dir, train_rows, vocab, config, out / "checkpoint",
+                                   log=_bounded_log(context.log.info), state_dir=out / "train_state",
+                                   validation_rows=val_rows, features=features)
         for note in result.notes:
             context.log.info(note)
         ckpt = Path(result.checkpoint_dir)
@@ -320,14 +367,21 @@ def build_training_assets() -> list:
         with torch_threads(t.threads):
             heldout = evaluate_groups(target_model, drafter, vocab, {k: g for k, g in groups.items() if g},
                                       k=t.acceptance_k, max_positions=t.acceptance_max_positions)
-            unseen = None
+            unseen, unseen_note = None, None
             if t.unseen_eval is not None:
-                unseen_rows = unseen_eval_rows(settings, target_model, model_dir, out / "unseen_eval",
-                                               context.log.info)
-                unseen = evaluate_groups(target_model, drafter, vocab, {"unseen": unseen_rows}, k=t.acceptance_k,
-                                         max_positions=t.acceptance_max_positions).groups["unseen"]
+                try:
+                    unseen_rows = unseen_eval_rows(settings, target_model, model_dir, out / "unseen_eval",
+                                                   context.log.info)
+                except (CatalogError, FormatError) as exc:
+                    # A missing or unreadable eval source costs the second figure, never the checkpoint.
+                    unseen_note = f"unseen-source figure skipped: {exc}"
+                    context.log.warning(unseen_note)
+                else:
+                    unseen = evaluate_groups(target_model, drafter, vocab, {"unseen": unseen_rows},
+                                             k=t.acceptance_k, max_positions=t.acceptance_max_positions)
+                    unseen = unseen.groups["unseen"]
         context.log.info(f"acceptance simulated in {time.perf_counter() - started:.1f}s")
-        yield acceptance_check(t, heldout, unseen, missing, acceptance_png)
+        yield acceptance_check(t, heldout, unseen, missing, acceptance_png, unseen_note)
 
     return [draft_vocab, training_mix, drafter_checkpoint]
 
@@ -341,8 +395,10 @@ def mixed_training_rows(settings: PipelineSettings, keys: list[str]):
     if not mix_file.exists():
         raise dg.Failure(description=f"{mix_file} does not exist: materialize training_mix first (training_job does)")
     mix = pq.read_table(mix_file, columns=["partition", "sample_id"]).to_pylist()
-    by_id = {(k, sid): (sid, ids, mask, k) for sid, ids, mask, k in load_training_rows(settings, keys, holdout=False)}
     chosen = [(m["partition"], m["sample_id"]) for m in mix if m["partition"] in keys]
+    # only the chosen rows are read out of the shards (iter_split_rows), not every training row first
+    by_id = {(k, sid): (sid, ids, mask, k)
+             for sid, ids, mask, k in iter_split_rows(settings, keys, "train", wanted=set(chosen))}
     missing = [c for c in chosen if c not in by_id]
     if missing:
         raise dg.Failure(description=f"training_mix names {len(missing)} rows that the QC shards no longer hold "
@@ -387,7 +443,8 @@ def torch_threads(n: int | None):
         torch.set_num_threads(before)
 
 
-def acceptance_check(t, heldout, unseen, missing: list[str], png_fn) -> dg.AssetCheckResult:
+def acceptance_check(t, heldout, unseen, missing: list[str], png_fn, unseen_note: str | None = None
+                     ) -> dg.AssetCheckResult:
     """The ``acceptance_length`` check: ERROR when the mean held-out tau is at or under ``1 + min_tau_margin``,
     WARN under ``tau_warn``; the unseen-source tau is reported beside it (it does not set the level: prompts of
     another source are expected to draft worse, and how much worse is the figure to read)."""
@@ -403,9 +460,12 @@ def acceptance_check(t, heldout, unseen, missing: list[str], png_fn) -> dg.Asset
     if unseen is not None:
         u_ci = f" (95% CI {unseen.tau_ci95[0]:.2f}-{unseen.tau_ci95[1]:.2f})" if unseen.tau_ci95 else ""
         text += f"; unseen-source tau {unseen.tau:.3f}{u_ci} on {unseen.n_rows} rows"
-    text += f" (ERROR at or under {error_at:g}, WARN under {warn_under:g})"
+    level = "ERROR" if not passed else "WARN" if warn else "OK"
+    text = f"{level}: {text} (levels: error at or under {error_at:g}, warn under {warn_under:g})"
     if missing:
         text += f"; no held-out rows for {missing} (left out of the mean)"
+    if unseen_note:
+        text += f"; {unseen_note}"
     curves = dict(heldout.groups)
     if unseen is not None:
         curves["unseen source"] = unseen

@@ -276,6 +276,8 @@ def generation_fingerprint(catalog: Catalog, key: str, cache_root: str = "") -> 
         "target_tokenizer": target_tokenizer_version(catalog, cache_root).data_version,
         "target_model": target_model_version(catalog, cache_root).data_version,
     }
+    if spec.prompt_policy == "all_turns":  # which recorded results answer a call changes later turns' prompts
+        inputs["tool_result_match"] = spec.tool_result_match
     return {"sha256": canonical_digest(inputs), "inputs": inputs}
 
 

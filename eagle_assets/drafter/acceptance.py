@@ -17,7 +17,7 @@ exact prefix, so acceptance is never guessed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -153,6 +153,7 @@ def simulate_acceptance(
     k: int = 7,
     max_positions: int | None = 2000,
     features: dict[int, tuple[torch.Tensor, np.ndarray]] | None = None,
+    greedy_next: Callable[[np.ndarray], int] | None = None,
 ) -> AcceptanceResult:
     """Simulate temperature-0 chain drafting over held-out rows (see module docstring).
 
@@ -166,6 +167,9 @@ def simulate_acceptance(
         features: a dict kept by the caller across calls on the same rows and target: the target's aux hidden
             states ``[1, T, 3H]`` and greedy ids ``[T]`` of row ``i`` are stored under ``i`` on first use and
             reused after (the target is frozen; only the drafter changes between calls).
+        greedy_next: the target's greedy token after a prefix (int64 ``[n]``), for the exact re-runs once a draft
+            leaves the row; None = a forward of ``target_model``. With it and ``features`` holding every row (e.g.
+            features served by SGLang, ``eagle_assets.drafter.served_features``), ``target_model`` is never run.
 
     Returns:
         :class:`AcceptanceResult`.
@@ -235,8 +239,11 @@ def simulate_acceptance(
                     if off_row:
                         reruns += 1
                         prefix = torch.from_numpy(np.concatenate([ids_np[: n + 1], np.asarray(accepted, np.int64)]))
-                        _, fin = run_target(target_model, prefix, capture)
-                        want = int(head_argmax(target_model, fin[0, -1:])[0])
+                        if greedy_next is not None:
+                            want = int(greedy_next(prefix.numpy()))
+                        else:
+                            _, fin = run_target(target_model, prefix, capture)
+                            want = int(head_argmax(target_model, fin[0, -1:])[0])
                     else:
                         want = int(greedy[n + j])
                     if draft != want:

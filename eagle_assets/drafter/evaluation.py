@@ -70,23 +70,40 @@ def evaluate_groups(
 
 @torch.no_grad()
 def greedy_rows(target: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                stop_ids: Sequence[int]) -> list[Row]:
+                stop_ids: Sequence[int], batch_size: int = 16) -> list[Row]:
     """Rows ``(prompt_ids + output_ids int32 [T], loss_mask int8 [T])`` from greedy decoding with the local target.
 
-    One prompt at a time (no padding, so every row is the target's exact greedy continuation of its own prompt),
-    up to ``max_new_tokens`` new tokens, ending at the first of ``stop_ids`` (kept, as SGLang's ``output_ids``
-    keep the matched stop token). The loss mask is 1 on the output ids.
+    Prompts are decoded ``batch_size`` at a time, left-padded with an attention mask (``transformers``'
+    ``generate``), up to ``max_new_tokens`` new tokens; each output ends at its first stop id (kept, as SGLang's
+    ``output_ids`` keep the matched stop token). Padding can move a logit by float rounding, so a row may leave the
+    exact greedy path at a near-tie; :func:`~eagle_assets.drafter.acceptance.simulate_acceptance` re-runs the target
+    wherever an accepted draft leaves the row's tokens, so the tau measured on these rows stays exact. The loss
+    mask is 1 on the output ids.
     """
+    stops = {int(s) for s in stop_ids}
+    pad = int(stop_ids[0])
     rows: list[Row] = []
-    for prompt in prompts:
-        ids = torch.tensor([list(prompt)], dtype=torch.long)
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                              do_sample=False, eos_token_id=list(stop_ids), pad_token_id=int(stop_ids[0]),
-                              temperature=None, top_p=None, top_k=None)
-        full = out[0].numpy().astype(np.int32)
-        mask = np.zeros(full.size, dtype=np.int8)
-        mask[len(prompt):] = 1
-        rows.append((full, mask))
+    for start in range(0, len(prompts), batch_size):
+        chunk = [list(p) for p in prompts[start:start + batch_size]]
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for b, p in enumerate(chunk):
+            ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[b, width - len(p):] = 1
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                              eos_token_id=sorted(stops), pad_token_id=pad, temperature=None, top_p=None,
+                              top_k=None)
+        for b, p in enumerate(chunk):
+            new = out[b, width:].tolist()
+            for j, tok in enumerate(new):
+                if tok in stops:
+                    new = new[: j + 1]
+                    break
+            full = np.asarray(p + new, dtype=np.int32)
+            loss_mask = np.zeros(full.size, dtype=np.int8)
+            loss_mask[len(p):] = 1
+            rows.append((full, loss_mask))
     return rows
 
 

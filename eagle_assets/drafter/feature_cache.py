@@ -123,17 +123,22 @@ class FeatureCache:
         rows: the rows features are asked for by index.
         cache: compute every row's features now (in batches of ``batch_tokens``) and keep them; False = compute
             them on every :meth:`get` (for data too large to hold).
+        only: with ``cache``, the indices of the rows to compute and keep (None = all): a data-parallel rank's
+            own rows (:meth:`~eagle_assets.drafter.distributed.DataParallel.owned_rows`); :meth:`get` of another
+            row then computes it.
     """
 
     def __init__(self, target: nn.Module, capture: list[int], rows: Sequence[PreparedRow], cache: bool,
-                 batch_tokens: int):
+                 batch_tokens: int, only: Sequence[int] | None = None):
         self.target = target
         self.capture = capture
         self.rows = rows
         self.cache: dict[int, Features] | None = None
         if cache:
             self.cache = {}
-            for batch in make_batches(rows, batch_tokens):
+            index = list(range(len(rows))) if only is None else sorted(only)
+            for batch in make_batches([rows[i] for i in index], batch_tokens):
+                batch = [index[j] for j in batch]
                 for i, feats in zip(batch, self._compute(batch)):
                     self.cache[i] = feats
 
@@ -151,6 +156,6 @@ class FeatureCache:
 
     def get(self, batch: list[int]) -> list[Features]:
         """Features of the rows ``batch`` (indices into ``rows``), in that order."""
-        if self.cache is not None:
+        if self.cache is not None and all(i in self.cache for i in batch):
             return [self.cache[i] for i in batch]
         return self._compute(batch)

@@ -22,8 +22,10 @@ What SpecForge and speculators do per step, and why we differ
   block-diagonal mask. We batch whole rows of similar length up to ``batch_tokens`` (right-padded, causal, so no
   mask): like packing, a step holds about the same number of tokens whatever the row lengths, so short tool-call
   rows are not each a full noisy step; unlike packing, no attention mask is needed, and the padding of
-  length-sorted batches is small. On CPU, small batches are cheap (the drafter is one layer), so the demo default
-  uses small ones (~1k tokens) and many steps, which is what made the difference above.
+  length-sorted batches is small. On CPU, small batches are cheap (the drafter is one layer), and the demo data is
+  small (~47 training rows), so the demo default is SpecForge's one row per step (``batch_tokens: 1``): many small
+  steps are what the demo drafter needed (measured, ``bench/bench_drafter_quality.py``: one-row steps over 120k
+  tokens reach held-out tau 5.7 at k = 7 where 2 epochs of 4096-token batches reached 1.3).
 - TTT length: SpecForge unrolls 7 steps (``ttt_length``), speculators 3 (``--ttt-steps``). More steps teach the
   later draft positions what they will see when serving, at a cost linear in the steps; ``ttt_steps`` is a
   catalog setting, and the acceptance check always drafts ``acceptance_k`` tokens (SGLang's
@@ -45,7 +47,7 @@ Recommended settings per target class (catalog ``training:`` section)
 ======================  ==========  ============  ===========  ==========  ============================
 target                  lr          batch_tokens  ttt_steps    epochs      train_tokens
 ======================  ==========  ============  ===========  ==========  ============================
-embedded demo (h=128)   3e-3        1024          7            40          ~ 8 x the training tokens
+embedded demo (h=128)   3e-3        1 (1 row)     7            40          120000 (~6.6 x the rows)
 8B class (h=4096)       1e-4        16384         7            10          null (all 10 epochs)
 1T class (h=7168, MoE)  5e-5        16384         7            10          null, or a budget in tokens
 ======================  ==========  ============  ===========  ==========  ============================

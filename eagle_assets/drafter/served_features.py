@@ -26,8 +26,15 @@ the local teacher (the target softmax restricted to the draft vocab).
 
 Sizes (why this is built for bounded memory): a reply carries ``T * W`` floats as JSON text, 10-20 bytes each
 (about 11 for bfloat16 values, 19-21 for float32/float64 ones), against 2 bytes per value in a bfloat16 shard. Rows
-are fetched ``concurrency`` at a time, parsed with orjson straight into float32 arrays, and written shard by shard
-(:mod:`eagle_assets.drafter.feature_shards`); docs/served_features.md has the worked Kimi-K2.5 numbers.
+are fetched ``concurrency`` per server at a time, parsed with orjson straight into float32 arrays, and written shard
+by shard (:mod:`eagle_assets.drafter.feature_shards`); docs/served_features.md has the worked Kimi-K2.5 numbers.
+
+Transport: the serving client (:meth:`eagle_assets.serving.client.GenerateClient.post_many`) sends the requests, so
+HTTP, retries, backoff, server choice and API-key redaction have one implementation: connection errors, timeouts,
+HTTP 408/429/5xx and unusable replies (a short block, a non-finite value, malformed logprobs, ...) are retried up to
+``max_attempts``; a row whose replies stay unusable, or that the server refuses (HTTP 400), becomes a
+:class:`RefusedRow` with the reason; transport failures that outlast the attempts, 401/403/404 and a server that
+refuses hidden states raise :class:`ServedFeaturesError` (no row could succeed).
 """
 
 from __future__ import annotations
@@ -36,18 +43,15 @@ import json
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
+from eagle_assets.catalog import FeaturesSpec as ServedFeaturesSpec
 from eagle_assets.drafter.feature_shards import (
     FeatureShardError,
     FeatureSpec,
@@ -64,55 +68,15 @@ from eagle_assets.drafter.ttt_loss import Supervision, teacher_positions
 from eagle_assets.serving.aux_capture import (
     AuxCapture,
     capture_convention,
+    capture_flag_ids,
     capture_ids_from_flag,
-    flag_ids_for_capture,
     num_layers_of,
     text_config,
 )
+from eagle_assets.serving.client import GenerateClient, normalize_url, run_sync
+from eagle_assets.serving.protocol import GenerateFailure, ReplyError
 
 Row = Any  # (input_ids, loss_mask) pair, or an object with .ids and .mask (feature_cache.PreparedRow)
-
-
-class ServedFeaturesSpec(BaseModel):
-    """Catalog ``training.features``: where the drafter's target features come from.
-
-    Fields:
-        source: ``local`` (the trainer runs the target itself) or ``served`` (this module).
-        url: server(s) in aux-capture mode; null = launch one from the catalog's ``server`` section with
-            :meth:`aux_capture`'s flags.
-        teacher: ``hard`` | ``topk``; top_k: entries per teacher position for ``topk`` (20 is SGLang's OpenAI
-            ``top_logprobs`` ceiling, not a limit of ``/generate``).
-        cache: ``disk`` (verified shards, reused across runs; bounded memory), ``memory`` (fetch once, hold all),
-            ``none`` (fetch the rows of every batch when it is trained on: no storage, one request per row per
-            epoch).
-        cache_dir: where ``disk`` shards go (null = the caller's default, e.g. the asset's storage directory).
-        storage_dtype: ``auto`` (bfloat16 when lossless) | ``bfloat16`` | ``float32``.
-        shard_mb: aux bytes per shard (float32-equivalent), the unit fetched, written and verified at once.
-        concurrency: requests in flight (each holds one reply: see the module docstring for its size).
-        timeout_s / max_attempts: per HTTP attempt / attempts per row (connection errors, timeouts, 5xx retried).
-        api_key_env: environment variable with the server's API key.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    source: Literal["local", "served"] = "local"
-    url: str | list[str] | None = None
-    teacher: Literal["hard", "topk"] = "hard"
-    top_k: int = Field(20, gt=0)
-    cache: Literal["disk", "memory", "none"] = "disk"
-    cache_dir: str | None = None
-    storage_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    shard_mb: float = Field(512, gt=0)
-    concurrency: int = Field(4, gt=0)
-    timeout_s: float = Field(600.0, gt=0)
-    max_attempts: int = Field(4, gt=0)
-    api_key_env: str | None = None
-
-    @property
-    def urls(self) -> list[str]:
-        if self.url is None:
-            return []
-        return [self.url] if isinstance(self.url, str) else list(self.url)
 
 
 class ServedFeaturesError(RuntimeError):
@@ -209,11 +173,7 @@ class ServedFeatureSource:
         default = capture_ids_from_flag(None, self.num_layers, self.convention)
         self.capture_ids = sorted(int(c) for c in capture_ids) if capture_ids is not None else default
         # the flag is only needed when the ids differ from the model's default
-        self.flag_layer_ids = (None if self.capture_ids == default
-                               else flag_ids_for_capture(self.capture_ids, self.convention))
-        if self.flag_layer_ids is not None:
-            check = capture_ids_from_flag(self.flag_layer_ids, self.num_layers, self.convention)
-            assert check == self.capture_ids, (check, self.capture_ids)
+        self.flag_layer_ids = capture_flag_ids(config, self.capture_ids)
         top_k = settings.top_k if settings.teacher == "topk" else 1
         self.spec = FeatureSpec(
             capture_ids=tuple(self.capture_ids),
@@ -224,19 +184,21 @@ class ServedFeatureSource:
         self.stats = ServedFeatureStats()
         self._stats_lock = threading.Lock()  # fetch threads count requests, bytes and disagreements
         self.log = log or (lambda msg: None)
-        self._headers = {"Content-Type": "application/json"}
-        if settings.api_key_env:
-            key = os.environ.get(settings.api_key_env)
-            if not key:
-                raise ServedFeaturesError(f"api_key_env={settings.api_key_env!r} names an unset or empty variable")
-            self._headers["Authorization"] = f"Bearer {key}"
+        if settings.api_key_env and not os.environ.get(settings.api_key_env):
+            raise ServedFeaturesError(f"api_key_env={settings.api_key_env!r} names an unset or empty variable")
 
     # ------------------------------------------------------------------------------------------- the server
     def use_urls(self, urls: str | Sequence[str]) -> None:
         """Send requests to ``urls`` (base URLs; a trailing ``/generate`` is accepted); checked again on next use."""
         urls = [urls] if isinstance(urls, str) else list(urls)
-        self.urls = [u.rstrip("/").removesuffix("/generate") for u in urls]
+        self.urls = [normalize_url(u) for u in urls]
         self._checked = False
+        # HTTP, retries and backoff are the serving client's (one place for them): a connection error, timeout,
+        # 408/429/5xx or an unusable reply is retried up to max_attempts, with backoff, preferring another server
+        self.client = GenerateClient(
+            self.urls, concurrency_per_server=self.settings.concurrency, timeout_s=self.settings.timeout_s,
+            max_attempts=self.settings.max_attempts, api_key_env=self.settings.api_key_env,
+        ) if self.urls else None
 
     def _need_urls(self) -> None:
         if not self.urls:
@@ -248,8 +210,8 @@ class ServedFeatureSource:
 
     def aux_capture(self, max_row_tokens: int | None = None) -> AuxCapture:
         """Launch settings for a server that serves exactly these features (pass to ``launch_server``)."""
-        ids = tuple(self.flag_layer_ids) if self.flag_layer_ids is not None else None
-        return AuxCapture(layer_ids=ids, max_row_tokens=max_row_tokens)
+        return AuxCapture(layer_ids=tuple(self.flag_layer_ids) if self.flag_layer_ids is not None else None,
+                          max_row_tokens=max_row_tokens)
 
     def check_server(self, max_row_tokens: int | None = None) -> dict[str, Any]:
         """Compare each server's ``/server_info`` with what this source needs (fields a server does not report are
@@ -287,22 +249,22 @@ class ServedFeatureSource:
         return info
 
     def _server_info(self, url: str) -> dict[str, Any]:
-        last = None
+        import aiohttp
+
+        last: BaseException | None = None
         for path in ("/server_info", "/get_server_info"):
             try:
-                req = urllib.request.Request(url + path, headers=self._headers)
-                with urllib.request.urlopen(req, timeout=min(self.settings.timeout_s, 30.0)) as resp:
-                    body = json.loads(resp.read())
-                    return body if isinstance(body, dict) else {}
-            except urllib.error.HTTPError as exc:
+                body = run_sync(self.client.get_json(path, url))
+                return body if isinstance(body, dict) else {}
+            except aiohttp.ClientResponseError as exc:
                 last = exc
-                if exc.code in (401, 403):
-                    raise ServedFeaturesError(f"{url}{path}: HTTP {exc.code}; set training.features.api_key_env")
-            except (urllib.error.URLError, OSError, ValueError) as exc:
+                if exc.status in (401, 403):
+                    raise ServedFeaturesError(f"{url}{path}: HTTP {exc.status}; set training.features.api_key_env")
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
                 last = exc
-        if isinstance(last, urllib.error.HTTPError):
+        if isinstance(last, aiohttp.ClientResponseError):
             return {}  # a server without the endpoint: the replies are checked instead
-        raise ServedFeaturesError(f"cannot reach {url}: {last}")
+        raise ServedFeaturesError(f"cannot reach {url}: {self.client.redact(str(last))}")
 
     # ----------------------------------------------------------------------------------------- one request
     def request_body(self, input_ids: np.ndarray, rid: str) -> bytes:
@@ -324,53 +286,37 @@ class ServedFeatureSource:
             for name, n in counts.items():
                 setattr(self.stats, name, getattr(self.stats, name) + n)
 
-    def _post(self, url: str, body: bytes, rid: str) -> bytes:
-        delay = 0.5
-        for attempt in range(1, self.settings.max_attempts + 1):
-            self._add(requests=1)
-            try:
-                req = urllib.request.Request(url + "/generate", data=body, headers=self._headers, method="POST")
-                with urllib.request.urlopen(req, timeout=self.settings.timeout_s) as resp:
-                    return resp.read()
-            except urllib.error.HTTPError as exc:
-                text = exc.read()[:500].decode(errors="replace")
-                if exc.code in (401, 403, 404):
-                    raise ServedFeaturesError(f"{url}/generate: HTTP {exc.code} {text}") from None
-                if exc.code < 500 and exc.code not in (408, 429):
-                    if "hidden states" in text or "hidden_states" in text:
-                        raise ServedFeaturesError(
-                            f"{url} refuses hidden states ({text}); relaunch it with "
-                            f"{' '.join(self.aux_capture().server_args('sglang'))}"
-                        ) from None
-                    raise _Refused("http_4xx", f"HTTP {exc.code}: {text}") from None
-                error = f"HTTP {exc.code}: {text}"
-            except (urllib.error.URLError, OSError, TimeoutError) as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            if attempt == self.settings.max_attempts:
-                raise ServedFeaturesError(
-                    f"{url}/generate failed {attempt} times for row {rid} (last: {error}); is the server up?"
-                )
-            self._add(retries=1)
-            time.sleep(delay)
-            delay = min(delay * 2, 30.0)
-        raise AssertionError("unreachable")
-
-    def fetch_row(self, row_id: str, input_ids: np.ndarray, loss_mask: np.ndarray, url: str | None = None
-                  ) -> RowFeatures | RefusedRow:
+    def fetch_row(self, row_id: str, input_ids: np.ndarray, loss_mask: np.ndarray) -> RowFeatures | RefusedRow:
         """Features of one row, or the reason its reply was refused.
 
         Raises:
             ServedFeaturesError: a server-level problem (see the class doc).
         """
-        if url is None:
-            self._need_urls()
-            url = self.urls[0]
+        return next(self.fetch([(row_id, input_ids, loss_mask)]))
+
+    def _parse(self, rows: dict[str, tuple[np.ndarray, np.ndarray]], rid: str, raw: bytes) -> RowFeatures:
+        """The client's reply check: an unusable reply raises ``ReplyError`` (retried, then a refused row)."""
+        self._add(reply_bytes=len(raw))
+        ids, mask = rows[rid]
         try:
-            raw = self._post(url, self.request_body(input_ids, row_id), row_id)
-            self._add(reply_bytes=len(raw))
-            return self.parse_reply(row_id, input_ids, loss_mask, raw)
+            return self.parse_reply(rid, ids, mask, raw)
         except _Refused as r:
-            return RefusedRow(row_id, r.reason, r.detail)
+            raise ReplyError(r.reason, r.detail) from None
+
+    def _outcome(self, rid: str, got: RowFeatures | GenerateFailure) -> RowFeatures | RefusedRow:
+        """A row's features, or its refusal; a failure no other row could escape raises ServedFeaturesError."""
+        if not isinstance(got, GenerateFailure):
+            return got
+        relaunch = " ".join(self.aux_capture().server_args("sglang"))
+        if got.kind in ("unauthorized", "not_found"):
+            raise ServedFeaturesError(f"{got.last_error} (row {rid})")
+        if got.kind == "bad_request" and ("hidden states" in got.last_error or "hidden_states" in got.last_error):
+            raise ServedFeaturesError(f"the server refuses hidden states ({got.last_error}); relaunch it with "
+                                      f"{relaunch}")
+        if got.kind in ("connection", "timeout", "http_429", "http_5xx"):
+            raise ServedFeaturesError(f"/generate failed {got.attempts} times for row {rid} (last: "
+                                      f"{got.last_error}); is the server up?")
+        return RefusedRow(rid, got.kind, f"{got.last_error} ({got.attempts} attempts)")
 
     def parse_reply(self, row_id: str, input_ids: np.ndarray, loss_mask: np.ndarray, raw: bytes) -> RowFeatures:
         """Check a ``/generate`` reply and turn it into :class:`RowFeatures`.
@@ -470,24 +416,38 @@ class ServedFeatureSource:
 
     # ------------------------------------------------------------------------------------------- many rows
     def fetch(self, items: Iterable[tuple[str, np.ndarray, np.ndarray]]) -> Iterator[RowFeatures | RefusedRow]:
-        """Features of ``(row_id, input_ids, loss_mask)`` items, in order, ``concurrency`` requests in flight
-        (rows round-robin over the URLs)."""
+        """Features of ``(row_id, input_ids, loss_mask)`` items, in order, through the serving client
+        (:meth:`~eagle_assets.serving.client.GenerateClient.post_many`): ``concurrency`` requests in flight per
+        server, items taken ``concurrency x servers`` at a time, so at most that many replies are held at once.
+        Row ids must be unique within one call."""
         if not self._checked:
             self.check_server()
+        window = self.settings.concurrency * len(self.urls)
+        chunk: list[tuple[str, np.ndarray, np.ndarray]] = []
+        for item in items:
+            chunk.append(item)
+            if len(chunk) >= window:
+                yield from self._fetch_chunk(chunk)
+                chunk = []
+        if chunk:
+            yield from self._fetch_chunk(chunk)
+
+    def _fetch_chunk(self, chunk: list[tuple[str, np.ndarray, np.ndarray]]) -> Iterator[RowFeatures | RefusedRow]:
         t0 = time.perf_counter()
-        pool = ThreadPoolExecutor(self.settings.concurrency, thread_name_prefix="served-features")
-        window: deque = deque()
+        rows = {str(rid): (ids, mask) for rid, ids, mask in chunk}
+        if len(rows) != len(chunk):
+            raise ValueError("served features need unique row ids within one fetch")
+        bodies = [(str(rid), self.request_body(ids, str(rid))) for rid, ids, _ in chunk]
         try:
-            for n, (rid, ids, mask) in enumerate(items):
-                window.append(pool.submit(self.fetch_row, rid, ids, mask, self.urls[n % len(self.urls)]))
-                self.stats.tokens += int(ids.size)
-                if len(window) >= self.settings.concurrency:
-                    yield self._count(window.popleft().result())
-            while window:
-                yield self._count(window.popleft().result())
+            got = self.client.post_all(bodies, lambda rid, raw: self._parse(rows, rid, raw))
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            stats = self.client.last_stats
+            if stats is not None:
+                self._add(requests=stats.attempts, retries=stats.retries)
             self.stats.seconds += time.perf_counter() - t0
+        self.stats.tokens += sum(int(ids.size) for _, ids, _ in chunk)
+        for (rid, _, _), result in zip(chunk, got):
+            yield self._count(self._outcome(str(rid), result))
 
     def _count(self, got: RowFeatures | RefusedRow) -> RowFeatures | RefusedRow:
         if isinstance(got, RefusedRow):
@@ -536,8 +496,8 @@ def served_features(
 
     Yields:
         :class:`RowFeatures` (aux float32 ``[T, W]``, teacher ids/logprobs ``[N, K]``, greedy ``[N]``) or a
-        :class:`RefusedRow` (the row is left out; never fatal). At most one shard plus ``concurrency`` replies are
-        held at once.
+        :class:`RefusedRow` (the row is left out; never fatal). At most one shard plus ``concurrency`` replies per
+        server are held at once.
 
     Raises:
         ServedFeaturesError: the server cannot give features at all.
@@ -689,6 +649,9 @@ class ServedFeatureCache:
     Rows the server's replies were refused for are listed in :attr:`refused` (index -> reason); the trainer must
     leave them out of its batches (:meth:`usable`).
     """
+
+    #: where ``FeatureCache`` keeps what the trainer computed: nothing here (fetch time is ``source.stats.seconds``)
+    cache = None
 
     def __init__(self, rows: Sequence[Row], source: ServedFeatureSource, cache: str, draft_token_ids: np.ndarray,
                  target_vocab_size: int, cache_dir: str | Path | None = None):

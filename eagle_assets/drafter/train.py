@@ -30,8 +30,10 @@ import torch
 from torch import nn
 
 from eagle_assets.drafter.acceptance import AcceptanceResult, simulate_acceptance
+from eagle_assets.drafter.distributed import DataParallel
 from eagle_assets.drafter.export import CheckpointReport, export_checkpoint
 from eagle_assets.drafter.feature_cache import FeatureCache, PreparedRow, cache_bytes, make_batches, pad, prepare_rows
+from eagle_assets.drafter.feature_source import feature_source
 from eagle_assets.drafter.features import aux_layer_ids, decoder_parts
 from eagle_assets.drafter.learning_curve import CurvePoint, EarlyStopping, StepMetrics
 from eagle_assets.drafter.model import DrafterConfig, Eagle3DraftModel
@@ -193,7 +195,9 @@ def train_drafter(
     eval_rows: Sequence[Row] | None = None,
     state_dir: str | Path | None = None,
     validation_rows: Sequence[Row] | None = None,
-) -> TrainResult:
+    parallel: DataParallel | None = None,
+    features: Any = None,
+) -> TrainResult | None:
     """Train and export an EAGLE-3 drafter for a target model.
 
     Args:
@@ -219,9 +223,16 @@ def train_drafter(
             directory must lie outside ``out_dir``, which export replaces.
         validation_rows: rows (same form as ``rows``, never trained on) scored during training for the learning
             curve and early stopping; None or empty = no curve, no early stopping.
+        parallel: this process's rank in a data-parallel run
+            (:func:`~eagle_assets.drafter.distributed.from_environment`; every rank calls this function with the
+            same arguments); None = one process. Rank 0 logs, holds the ``state_dir`` lock, saves and exports.
+        features: where the target features come from (catalog ``training.features``, a ``FeaturesSpec``):
+            None or ``source: local`` = the target loaded here (``target_dir``); ``served`` = an SGLang server in
+            aux-capture mode (:mod:`~eagle_assets.drafter.feature_source`; only ``config.json`` and the input
+            embedding are read from ``target_dir``, and rows the server refuses are skipped as ``served_<reason>``).
 
     Returns:
-        :class:`TrainResult`.
+        :class:`TrainResult` (None on the ranks other than 0 of a data-parallel run).
 
     Raises:
         ValueError: the draft vocab does not match the target vocab, no row has a supervised position, a config
@@ -241,10 +252,13 @@ def train_drafter(
             raise ValueError(f"state_dir {store.path} lies inside out_dir {out}, which export replaces; move it out")
         # Training draws from its own torch RNG stream (seeded with config.seed, saved in the state) so neither the
         # caller's generator nor earlier calls change the weights.
-        with torch.random.fork_rng(devices=[]), (store.lock() if store is not None else nullcontext()):
-            run = _Run(target_dir, rows, validation_rows or [], draft_vocab, config, emit, store)
+        parallel = parallel or DataParallel()
+        locked = store is not None and parallel.is_main
+        with torch.random.fork_rng(devices=[]), (store.lock() if locked else nullcontext()):
+            run = _Run(target_dir, rows, validation_rows or [], draft_vocab, config, emit, store, parallel,
+                       features)
             run.train()
-            return run.finish(out, eval_rows)
+            return run.finish(out, eval_rows) if parallel.is_main else None
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -253,26 +267,30 @@ class _Run:
     """One training run: set up (rows, plan, model, resumed state, features), :meth:`train`, :meth:`finish`."""
 
     def __init__(self, target_dir, rows: Sequence[Row], validation: Sequence[Row], draft_vocab: DraftVocab,
-                 config: TrainConfig, emit: Callable[[str], None], store: TrainState | None):
+                 config: TrainConfig, emit: Callable[[str], None], store: TrainState | None,
+                 parallel: DataParallel | None = None, features: Any = None):
         self.config, self.emit, self.store, self.vocab = config, emit, store, draft_vocab
-        self.target = load_target(target_dir)
+        self.parallel = parallel or DataParallel()
+        self.source = feature_source(target_dir, features, load_target, emit)  # training.features: local | served
+        self.target = self.source.target  # served: only the target's config and input embedding
         self.target_dir = target_dir
-        _, layers, _, lm_head = decoder_parts(self.target)
-        embed = self.target.get_input_embeddings().weight
+        embed = self.source.embedding
         vocab_size = int(embed.shape[0])
         if draft_vocab.target_vocab_size != vocab_size:
             raise ValueError(
                 f"the draft vocab was built for a vocab of {draft_vocab.target_vocab_size} ids but the target's "
                 f"embedding has {vocab_size} rows; rebuild draft_vocab with target_vocab_size={vocab_size}"
             )
-        self.capture = aux_layer_ids(len(layers), config.aux_layer_ids)
+        self.capture = aux_layer_ids(self.source.num_layers, config.aux_layer_ids)
         self.rows, self.reasons, self.truncated = prepare_rows(rows, vocab_size, config.max_length)
+        self.rows = self.source.admit(self.rows, self.reasons, "train", self.capture, draft_vocab)
         if not self.rows:
             raise ValueError(
                 f"no usable training row (skipped: {self.reasons or 'none given'}); rows need input_ids within the "
                 "target vocab and at least one completion token after the first position"
             )
         self.validation, _, _ = prepare_rows(validation, vocab_size, config.max_length)
+        self.validation = self.source.admit(self.validation, {}, "validation", self.capture, draft_vocab)
         self.notes = list(draft_vocab.notes)
         self.batches = make_batches(self.rows, config.batch_tokens)
         self.plan = plan_steps([sum(self.rows[i].ids.size for i in b) for b in self.batches], config)
@@ -296,9 +314,7 @@ class _Run:
         self.draft_ids = torch.from_numpy(draft_vocab.draft_token_ids)
         self.model = Eagle3DraftModel(self.dconf, embed_weight=embed.float(), draft_token_ids=self.draft_ids)
         self.model.train()
-        self.teacher_w = lm_head.weight.detach()[self.draft_ids].float()
-        bias = getattr(lm_head, "bias", None)
-        self.teacher_b = bias.detach()[self.draft_ids].float() if bias is not None else None
+        self.teacher_w, self.teacher_b = self.source.teacher(self.draft_ids)  # lm_head rows (None when served)
         self.in_draft = torch.from_numpy(draft_vocab.t2d)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(0.9, 0.95),
@@ -309,21 +325,29 @@ class _Run:
         self.best: dict[str, torch.Tensor] | None = None
         self.fingerprint: dict[str, Any] = {}
         if store is not None:
-            self._resume()
+            # rank 0 loads (or clears) the shared state first; the other ranks then read what it settled
+            self.parallel.main_first(self._resume)
+            self.parallel.check_same("the resumed optimizer step", self.progress.step)
         self.resumed_from = self.progress.step
+        self.objective = self.parallel.wrap(self.model)  # DDP over the TTT loss; None for one process
 
         t0 = time.perf_counter()
         todo = self.progress.step < self.plan.total_steps and not self.stopping.stop
-        self.features = FeatureCache(self.target, self.capture, self.rows, use_cache and todo, config.batch_tokens)
+        self.features = self.source.feature_cache(self.target, self.capture, self.rows, use_cache and todo,
+                                                  config.batch_tokens,
+                                     only=self.parallel.owned_rows(self.batches))
         self.feature_seconds = time.perf_counter() - t0 if self.features.cache is not None else 0.0
-        self.val_features = FeatureCache(self.target, self.capture, self.validation, todo, config.batch_tokens)
-        self.val_acceptance: dict[int, Any] = {}
+        self.val_features = self.source.feature_cache(self.target, self.capture, self.validation,
+                                                      todo and self.parallel.is_main,
+                                         config.batch_tokens)
+        self.val_acceptance: dict[int, Any] = self.source.acceptance_features("validation")
         self.state_seconds = 0.0
 
     def _resume(self) -> None:
         t_hash = time.perf_counter()
         self.fingerprint = fingerprint(self.config, self.dconf, self.rows, self.validation, self.vocab, self.target,
                                        self.plan)
+        self.fingerprint.update(self.source.fingerprint())  # served: layers, teacher, K
         snapshot, why_not = self.store.load(self.fingerprint)
         best = None
         if snapshot is not None:
@@ -393,18 +417,22 @@ class _Run:
     def _step(self, step_no: int, epoch: int, batch: list[int]) -> None:
         config, progress = self.config, self.progress
         t_step = time.perf_counter()
-        feats = self.features.get(batch)
-        ids = pad([self.rows[i].ids for i in batch])
-        aux = torch.nn.utils.rnn.pad_sequence([f[0] for f in feats], batch_first=True)
-        sup = supervision([self.rows[i].teacher for i in batch], feats, self.in_draft, self.teacher_w,
-                          self.teacher_b)
-        if epoch == 0:
-            progress.out_of_draft += sup.out_of_draft
+        local = self.parallel.shard(batch)  # this rank's rows of the global batch (all of them for one process)
+        aux = ids = sup = None
+        if local:
+            feats = self.features.get(local)
+            ids = pad([self.rows[i].ids for i in local])
+            aux = torch.nn.utils.rnn.pad_sequence([f[0] for f in feats], batch_first=True)
+            sup = self.source.supervision([self.rows[i].teacher for i in local], feats, self.in_draft, self.teacher_w,
+                              self.teacher_b)
         lr = lr_at(step_no, self.plan.total_steps, self.plan.warmup_steps, config.lr, config.min_lr_ratio,
                    config.schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        total, per_step = ttt_loss(self.model, aux, ids, sup, self.weights, self.draft_ids)
+        total, loss, per_step, out_of_draft = self.parallel.ttt_loss(self.model, self.objective, aux, ids, sup,
+                                                                     self.weights, self.draft_ids)
+        if epoch == 0:
+            progress.out_of_draft += out_of_draft
         s_loss = [ce / n if n else None for n, ce, _ in per_step]
         s_acc = [c / n if n else None for n, _, c in per_step]
         for i, (n, ce, correct) in enumerate(per_step):
@@ -420,8 +448,7 @@ class _Run:
         n_tok = int(sum(self.rows[i].ids.size for i in batch))
         progress.tokens_done += n_tok
         dt = time.perf_counter() - t_step
-        metrics = StepMetrics(step_no, epoch, float(total.detach()), s_loss, s_acc, [n for n, _, _ in per_step], lr,
-                              n_tok, dt)
+        metrics = StepMetrics(step_no, epoch, loss, s_loss, s_acc, [n for n, _, _ in per_step], lr, n_tok, dt)
         progress.steps.append(metrics)
         progress.step = step_no + 1
         progress.loss_total += metrics.loss
@@ -444,41 +471,11 @@ class _Run:
         p.epochs.append(summary)
         self.emit(f"epoch {epoch + 1}: mean loss {summary['loss']:.4f} acc@ttt [{_fmt(summary['step_acc'], 3)}]")
 
-    @torch.no_grad()
     def _evaluate(self) -> None:
         """Score the validation rows: one point of the learning curve, and the early-stopping decision."""
-        t0 = time.perf_counter()
+        # rank 0 scores; every rank applies its point, so all take the same early-stopping decision
+        point = CurvePoint(**self.parallel.from_main(lambda: self._score().to_dict()))
         p = self.progress
-        self.model.eval()
-        try:
-            ce_sum = [0.0] * self.config.ttt_steps
-            correct = [0] * self.config.ttt_steps
-            count = [0] * self.config.ttt_steps
-            for batch in make_batches(self.validation, self.config.batch_tokens):
-                feats = self.val_features.get(batch)
-                ids = pad([self.validation[i].ids for i in batch])
-                aux = torch.nn.utils.rnn.pad_sequence([f[0] for f in feats], batch_first=True)
-                sup = supervision([self.validation[i].teacher for i in batch], feats, self.in_draft,
-                                  self.teacher_w, self.teacher_b)
-                _, per_step = ttt_loss(self.model, aux, ids, sup, self.weights, self.draft_ids)
-                for i, (n, ce, c) in enumerate(per_step):
-                    ce_sum[i] += ce
-                    correct[i] += c
-                    count[i] += n
-            acc = simulate_acceptance(self.target, self.model, self.vocab,
-                                      [(r.ids, r.mask.astype(np.int8)) for r in self.validation],
-                                      k=self.config.acceptance_k, max_positions=None, features=self.val_acceptance)
-        finally:
-            self.model.train()
-        # on the training loss's scale: sum_i w_i * mean soft CE of TTT step i, pooled over the validation rows
-        val_loss = sum(w * s / n for w, s, n in zip(self.weights, ce_sum, count) if n)
-        point = CurvePoint(
-            step=p.step, tokens=p.tokens_done,
-            train_loss=p.since_eval_loss / max(1, p.since_eval_steps),
-            val_loss=float(val_loss), val_tau=float(acc.tau),
-            val_acc=[c / n if n else None for c, n in zip(correct, count)],
-            seconds=time.perf_counter() - t0,
-        )
         p.curve.append(point)
         p.since_eval_loss, p.since_eval_steps = 0.0, 0
         p.eval_seconds += point.seconds
@@ -491,7 +488,46 @@ class _Run:
             f"{self.stopping.best_step}) in {point.seconds:.1f}s"
         )
 
+    @torch.no_grad()
+    def _score(self) -> CurvePoint:
+        """The learning-curve point of the current weights on the validation rows."""
+        t0 = time.perf_counter()
+        p = self.progress
+        self.model.eval()
+        try:
+            ce_sum = [0.0] * self.config.ttt_steps
+            correct = [0] * self.config.ttt_steps
+            count = [0] * self.config.ttt_steps
+            for batch in make_batches(self.validation, self.config.batch_tokens):
+                feats = self.val_features.get(batch)
+                ids = pad([self.validation[i].ids for i in batch])
+                aux = torch.nn.utils.rnn.pad_sequence([f[0] for f in feats], batch_first=True)
+                sup = self.source.supervision([self.validation[i].teacher for i in batch], feats, self.in_draft,
+                                  self.teacher_w, self.teacher_b)
+                _, per_step = ttt_loss(self.model, aux, ids, sup, self.weights, self.draft_ids)
+                for i, (n, ce, c) in enumerate(per_step):
+                    ce_sum[i] += ce
+                    correct[i] += c
+                    count[i] += n
+            acc = simulate_acceptance(self.target, self.model, self.vocab,
+                                      [(r.ids, r.mask.astype(np.int8)) for r in self.validation],
+                                      k=self.config.acceptance_k, max_positions=None, features=self.val_acceptance,
+                                      greedy_next=self.source.greedy_next)
+        finally:
+            self.model.train()
+        # on the training loss's scale: sum_i w_i * mean soft CE of TTT step i, pooled over the validation rows
+        val_loss = sum(w * s / n for w, s, n in zip(self.weights, ce_sum, count) if n)
+        return CurvePoint(
+            step=p.step, tokens=p.tokens_done,
+            train_loss=p.since_eval_loss / max(1, p.since_eval_steps),
+            val_loss=float(val_loss), val_tau=float(acc.tau),
+            val_acc=[c / n if n else None for c, n in zip(correct, count)],
+            seconds=time.perf_counter() - t0,
+        )
+
     def _save(self) -> None:
+        if not self.parallel.is_main:
+            return  # one state per run, written by rank 0 (the ranks' weights are the same)
         self.store.save(
             self.progress.step, state_tensors(self.model, self.optimizer, self.best),
             {"fingerprint": self.fingerprint, **self.progress.record()}, self.progress.steps,
@@ -520,8 +556,9 @@ class _Run:
         self.emit(f"exported {out_dir} ({self.dtype_name}); training {train_seconds:.1f}s, {tokens_per_s:.0f} tok/s")
         acceptance = None
         if eval_rows:
+            eval_rows, served = self.source.acceptance_rows(eval_rows, self.capture, self.vocab)
             acceptance = simulate_acceptance(self.target, self.model, self.vocab, eval_rows, k=config.acceptance_k,
-                                             max_positions=config.acceptance_max_positions)
+                                             max_positions=config.acceptance_max_positions, **served)
             self.emit(
                 f"simulated acceptance (k={acceptance.k}, {acceptance.n_verifications} verifications): "
                 f"tau {acceptance.tau:.3f}, per position [{_fmt(acceptance.per_position_acceptance, 3)}]"

@@ -91,8 +91,8 @@ def fingerprint_diff(old: Any, new: dict[str, Any]) -> str:
         keys = [k for k in new["drafter"] if (old.get("drafter") or {}).get(k) != new["drafter"][k]]
         out.append(f"drafter shape ({', '.join(keys)})")
     for key, what in (("data", "training rows"), ("validation", "validation rows"), ("vocab", "draft vocab"),
-                      ("target", "target weights")):
-        if old.get(key) != new[key]:
+                      ("target", "target weights"), ("features", "served feature spec")):
+        if old.get(key) != new.get(key):
             out.append(what)
     return "; ".join(out)
 

@@ -142,6 +142,7 @@ def ttt_loss(
     sup: Supervision,
     weights: Sequence[float],
     draft_ids: torch.Tensor,
+    normalizer: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, list[tuple[int, float, int]]]:
     """Weighted TTT loss of one batch and, per step, ``(supervised rows, summed soft CE, correct argmaxes)``.
 
@@ -149,6 +150,9 @@ def ttt_loss(
         aux: float32 ``[B, T, 3H]`` right-padded aux hidden states; ids: int64 ``[B, T]`` the rows' tokens.
         weights: per TTT step its loss weight (``len(weights)`` steps are unrolled).
         draft_ids: int64 ``[D]`` target id of each draft id.
+        normalizer: per TTT step, the count its summed soft CE is divided by; None = this batch's own supervised
+            rows (the mean). A data-parallel rank passes the global batch's counts, so that the ranks' losses add
+            up to the loss of the whole batch (:mod:`~eagle_assets.drafter.distributed`).
 
     Step ``i`` trains drafter row ``q - i - 1`` against the teacher at ``q`` (see :func:`teacher_positions`).
     """
@@ -168,7 +172,7 @@ def ttt_loss(
         everyone = n == valid.numel()
         logits = model.logits(hiddens[i][sup.row[valid], rows_i[valid] - row_start]).float()
         ce = soft_cross_entropy(logits, sup.teacher_p if everyone else sup.teacher_p[valid])
-        total = total + weights[i] * ce.mean()
+        total = total + weights[i] * (ce.mean() if normalizer is None else ce.sum() / normalizer[i])
         with torch.no_grad():
             want = sup.greedy if everyone else sup.greedy[valid]
             per_step.append((n, float(ce.sum()), int((draft_ids[logits.argmax(-1)] == want).sum())))

@@ -4,7 +4,9 @@
 "parameters": {"type": "dict", "properties": {...}, "required": [...]}}]}``.
 
 ``question`` is a list of turns, each a list of messages. Later turns of multi-turn categories follow the model's
-own replies (not in the file), so only the first turn is used; the rest stays in ``source_record``. The function
+own replies (not in the file), so only the first turn is the prompt; the later ones are the conversation's
+``later_turns``, which prompt policy ``all_turns`` asks after the model's replies (BFCL's execution results are not
+in the files, so a reply that calls a tool ends its conversation there: no tool is executed). The function
 schemas use Python type names (``"dict"``, ``"float"``, ``"tuple"``) and are normalized to JSON schema
 (``"object"``, ``"number"``, ``"array"``) so chat templates render them as real tool definitions.
 
@@ -22,6 +24,7 @@ teach the drafter the wrong distribution).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from pathlib import Path
@@ -153,7 +156,31 @@ def parse(record: Any, row: int, docs: FuncDocs | None = None) -> Conversation:
         role = canonical_role(msg.get("role"))
         text, reasoning, calls = content_text(msg.get("content"), where)
         messages.append(make_message(role, text, where, reasoning=reasoning, tool_calls=calls or msg.get("tool_calls")))
-    return finalize(messages, tools, row, record)
+    return dataclasses.replace(finalize(messages, tools, row, record), later_turns=_later_turns(record, question))
+
+
+def _later_turns(record: dict, question: list) -> tuple[list[dict[str, Any]], ...]:
+    """``question[1:]`` as user-side turns for prompt policy ``all_turns`` (they follow the model's own replies).
+    Not for a ``miss_func`` record (its tool set grows at a later turn, which one prompt's tools cannot say), nor
+    from the first turn that is empty or not a list of user/system messages with text on."""
+    if record.get("missed_function") or not isinstance(question[0], list):
+        return ()
+    turns = []
+    for i, turn in enumerate(question[1:], 1):
+        if not isinstance(turn, list) or not turn:
+            break
+        msgs = []
+        for j, msg in enumerate(turn):
+            try:
+                role = canonical_role(msg.get("role")) if isinstance(msg, dict) else None
+                text, _, _ = content_text(msg.get("content"), f"question[{i}][{j}]") if role else ("", None, [])
+            except RecordError:
+                role = None
+            if role not in ("user", "system") or not text.strip():
+                return tuple(turns)
+            msgs.append({"role": role, "content": text})
+        turns.append(msgs)
+    return tuple(turns)
 
 
 def parser_for(path: Path):

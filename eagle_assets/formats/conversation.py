@@ -77,12 +77,16 @@ class Conversation:
         source_row: 0-based index of the record in its source file (line number for JSON Lines, list index for
             JSON arrays).
         source_record: the raw record exactly as read (used for the stable ``sample_id``).
+        later_turns: user-side messages of later turns that follow the model's own replies, which the file does
+            not hold (MT-bench turns without references, BFCL multi-turn ``question[1:]``), one list per turn; only
+            prompt policy ``all_turns`` uses them (``formats.prompt.all_turns``).
     """
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     source_row: int
     source_record: Any = field(repr=False)
+    later_turns: tuple[list[dict[str, Any]], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,14 @@
 The second turn of MT-Bench is a follow-up to the model's OWN first answer, which the file does not contain. So
 the conversation is ``[user turns[0]]``; when reference answers exist for every earlier turn (math, reasoning and
 coding questions carry ``reference``), the later turns are interleaved with them:
-``user t0, assistant ref0, user t1, ...``. Without references the later turns are kept only in ``source_record``.
+``user t0, assistant ref0, user t1, ...``. Without references the later turns are the conversation's
+``later_turns``: prompt policy ``all_turns`` asks them after the model's own answers; the other policies ignore
+them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from eagle_assets.formats.conversation import (
@@ -42,8 +45,14 @@ def parse(record: Any, row: int) -> Conversation:
     refs = [reference_text(r) for r in refs] if isinstance(refs, list) else []
     usable = len(refs) >= len(turns) - 1 and all(r is not None for r in refs[: len(turns) - 1])
     messages: list[dict[str, Any]] = [{"role": "user", "content": turns[0]}]
+    later: list[list[dict[str, Any]]] = []
     if usable:
         for i in range(1, len(turns)):
             messages.append(make_message("assistant", refs[i - 1], f"reference[{i - 1}]"))
             messages.append({"role": "user", "content": turns[i]})
-    return finalize(messages, None, row, record)
+    else:  # the follow-ups of the model's own answers: prompt policy all_turns asks them (formats.prompt.all_turns)
+        for t in turns[1:]:
+            if not t.strip():
+                break
+            later.append([{"role": "user", "content": t}])
+    return dataclasses.replace(finalize(messages, None, row, record), later_turns=tuple(later))

@@ -9,7 +9,7 @@ from typing import Any
 
 from eagle_assets.formats.conversation import Conversation
 
-PROMPT_POLICIES = ("last_user", "first_user")
+PROMPT_POLICIES = ("last_user", "first_user", "all_turns")
 
 
 def sample_id(partition_key: str, source_record: Any) -> str:
@@ -37,6 +37,16 @@ def _reply(message: dict[str, Any] | None) -> dict[str, Any] | None:
     })
 
 
+def all_turns(conv: Conversation) -> list[dict[str, Any]]:
+    """Every message of ``conv``, then its ``later_turns`` (user turns that follow replies the file does not hold,
+    MT-bench's second turn), each after an empty assistant message that marks the model's reply slot."""
+    msgs = copy.deepcopy(conv.messages)
+    for turn in conv.later_turns:
+        msgs.append({"role": "assistant", "content": ""})
+        msgs.extend(copy.deepcopy(list(turn)))
+    return msgs
+
+
 def build_prompt(conv: Conversation, policy: str = "last_user") -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Cut a conversation into (prompt messages, reference reply or None).
 
@@ -45,6 +55,8 @@ def build_prompt(conv: Conversation, policy: str = "last_user") -> tuple[list[di
             and tool results stay as history); the assistant message right after it, if any, is the reference.
         ``first_user``: the leading system message (if any) plus the FIRST user turn; the assistant message right
             after that turn, if any, is the reference.
+        ``all_turns``: the whole conversation (``all_turns``); every assistant turn is regenerated from it
+            (``eagle_assets.conversation``), the dataset's first assistant message is the reference.
     The reference is ``{"reasoning_content": str|None, "content": str, "tool_calls": list|None}``; it is the
     dataset's answer, kept for comparison only -- the training target is the target model's own generation.
     Messages after the reference are discarded.
@@ -53,6 +65,8 @@ def build_prompt(conv: Conversation, policy: str = "last_user") -> tuple[list[di
         ValueError: unknown policy (the catalog validates policies, so this is a programming error).
     """
     msgs = conv.messages
+    if policy == "all_turns":
+        return all_turns(conv), _reply(next((m for m in msgs if m["role"] == "assistant"), None))
     user_idx = [i for i, m in enumerate(msgs) if m["role"] == "user"]
     if policy == "last_user":
         cut = user_idx[-1]

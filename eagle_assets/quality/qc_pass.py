@@ -7,8 +7,9 @@ output_ids``, ``loss_mask`` 0 over the prompt, 1 over the output) are written to
 most ``rows_per_shard`` rows and about ``bytes_per_shard`` bytes of Arrow data each, every one atomically (temp file +
 ``os.replace``), streamed row group by row group; ``rows.parquet`` (one small row per generated row, for the
 checks and the length report) is written as it goes through one Parquet writer and renamed at the end. Memory: one
-record batch, the partition's prompts table, and per generated row a few bytes of figures (drop code, lengths) plus
-its sample id (for the duplicate rule), independent of the number of output tokens.
+record batch, a few row groups of the prompts (``prompts_file.PromptsFile``; a table passed in is held whole), per
+prompt its sample id, and per generated row a few bytes of figures (drop code, lengths) plus its sample id (for the
+duplicate rule), independent of the number of output tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pyarrow.parquet as pq
 
 from eagle_assets.quality.segment import DROP_REASONS, FLAGS
 from eagle_assets.quality.segment_batch import KEPT, _FLAG_BIT, _FLAG_ORDER, _list_parts, segment_batch
+from eagle_assets.prompts_file import PromptsFile
 from eagle_assets.storage import shard_paths
 
 QC_SCHEMA = pa.schema(
@@ -197,7 +199,7 @@ class ShardWriter:
 
 def qc_partition(
     generation_shards: list[Path],
-    prompts: pa.Table,
+    prompts: "pa.Table | PromptsFile",
     out_dir: Path,
     profile,
     *,
@@ -217,8 +219,9 @@ def qc_partition(
     Args:
         generation_shards: Parquet files of ``generation.GENERATION_SCHEMA`` rows (other producers' columns and
             types are accepted: ``segment_batch`` falls back to the reference for odd types).
-        prompts: ``tokenized_prompts`` rows: ``sample_id``, ``prompt_ids`` (list of int) and, when present,
-            ``prompt_opens_think`` (bool; absent = ``target_model.render.opens_think_block`` of the ids).
+        prompts: ``tokenized_prompts`` rows as a ``prompts_file.PromptsFile`` (read a row group at a time) or a
+            table: ``sample_id``, ``prompt_ids`` (list of int) and, when present, ``prompt_opens_think`` (bool;
+            absent = ``target_model.render.opens_think_block`` of the ids).
         out_dir: where ``shard-NNNNN.parquet`` (``QC_SCHEMA``) and ``rows.parquet`` (``ROWS_SCHEMA``) go.
         profile, blank_ids, vocab_size, control_ids, tool_call_in_reasoning: as in ``segment_row``.
         short_tokens: a kept row with fewer output ids is counted ``short``; max_new_tokens: the partition's cap,
@@ -227,18 +230,10 @@ def qc_partition(
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    index = {sid: i for i, sid in enumerate(prompts.column("sample_id").to_pylist())}
-    prompt_ids = prompts.column("prompt_ids").combine_chunks()
-    if "prompt_opens_think" in prompts.schema.names:
-        opens_col = prompts.column("prompt_opens_think").to_pylist()
-    else:
-        opens_col = [None] * prompts.num_rows
-    if any(o is None for o in opens_col):  # tokenized by a version without the column: the renderer's rule
-        from eagle_assets.target_model.render import opens_think_block
-
-        opens_col = [opens_think_block(p, profile) if o is None else o
-                     for o, p in zip(opens_col, prompt_ids.to_pylist())]
-    opens_all = np.array(opens_col, dtype=bool)
+    if isinstance(prompts, pa.Table):
+        prompts = PromptsFile.from_table(prompts)
+    index = prompts.index
+    opens_all = prompts.opens  # -1 where unknown (an older tokenized_prompts): the renderer's rule, per batch
     summary = QcSummary()
     codes, n_out, reasoning, answer = [], [], [], []
     seen: set[str] = set()
@@ -267,8 +262,16 @@ def qc_partition(
                         continue
                     sub = pa.Table.from_batches([batch]).take(pa.array(take, type=pa.int64()))
                     pidx_arr = np.array(pidx, dtype=np.int64)
-                    pcol = prompt_ids.take(pa.array(pidx_arr))
-                    seg = segment_batch(sub, profile, prompt_opens_think=opens_all[pidx_arr], prompt_ids=pcol,
+                    pcol = prompts.take(pidx_arr)
+                    opens = opens_all[pidx_arr]
+                    unknown = np.flatnonzero(opens < 0)
+                    if len(unknown):
+                        from eagle_assets.target_model.render import opens_think_block
+
+                        opens[unknown] = [opens_think_block(p, profile)
+                                          for p in pcol.take(pa.array(unknown)).to_pylist()]
+                    opens = opens.astype(bool)
+                    seg = segment_batch(sub, profile, prompt_opens_think=opens, prompt_ids=pcol,
                                         tool_call_in_reasoning=tool_call_in_reasoning, blank_ids=blank_ids,
                                         vocab_size=vocab_size, control_ids=control_ids)
                     kept = seg.kept

@@ -384,6 +384,32 @@ def _list_parts(arr: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray
     return values, offsets, present
 
 
+def _int_list_parts(lists: Sequence[Sequence[int] | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_list_parts`` of Python lists of ints (None = a missing list) without an Arrow array in between: numpy
+    converts Python ints ~15x faster than ``pa.array`` (measured here: ~100 vs ~1,800 us per 1,040-id list).
+    Stricter than ``pa.array(..., pa.list_(pa.int64()))``: raises ``TypeError`` for any element that is not an
+    ``int`` (bools and integral floats included), ``OverflowError`` beyond int64, and the caller hands such rows
+    to the reference."""
+    n = len(lists)
+    present = np.fromiter((x is not None for x in lists), dtype=bool, count=n)
+    parts = []
+    for x in lists:
+        if x is None:
+            parts.append(_EMPTY_IDS)
+            continue
+        if not _INT_ONLY.issuperset(map(type, x)):
+            raise TypeError("ids of another type than int")
+        parts.append(np.array(x, dtype=np.int64))
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum([len(a) for a in parts], out=offsets[1:])
+    values = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return values, offsets, present
+
+
+_INT_ONLY = frozenset({int})
+_EMPTY_IDS = np.zeros(0, dtype=np.int64)
+
+
 def _column(batch: pa.RecordBatch | pa.Table, name: str):
     return batch.column(name) if name in batch.schema.names else None
 
@@ -505,12 +531,11 @@ def segment_rows(
     try:
         if not all(_is_count(r.get("completion_tokens")) and _is_count(r.get("prompt_tokens")) for r in rows):
             raise TypeError("counts of another type")
-        out = pa.array([r.get("output_ids") or [] for r in rows], type=pa.list_(pa.int64()))
-        values, offsets, _ = _list_parts(out)
+        values, offsets, _ = _int_list_parts([r.get("output_ids") or [] for r in rows])
         flat: dict[str, Any] = {}
         if prompt_ids is not None:
-            parr = pa.array([None if p is None else list(p) for p in prompts], type=pa.list_(pa.int64()))
-            flat["prompt_values"], flat["prompt_offsets"], flat["prompt_present"] = _list_parts(parr)
+            flat["prompt_values"], flat["prompt_offsets"], flat["prompt_present"] = _int_list_parts(
+                [None if p is None else list(p) for p in prompts])
         finish = [f if isinstance(f, str) else (None if f is None else "\0") for f in
                   (r.get("finish_reason") for r in rows)]
         matched = [m if isinstance(m, int) and not isinstance(m, bool) else None

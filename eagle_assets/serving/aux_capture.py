@@ -170,6 +170,28 @@ def flag_ids_for_capture(capture_ids: Sequence[int], convention: str) -> list[in
     return [c - 1 for c in caps]
 
 
+def capture_flag_ids(config: Any, capture_ids: Sequence[int] | None) -> list[int] | None:
+    """The ``--return-aux-hidden-state-layer-ids`` value that makes SGLang capture ``capture_ids`` on the target of
+    ``config`` (a ``config.json`` dict or ``PretrainedConfig``), or None when none is needed: ``capture_ids`` is None
+    or equals SGLang's default ``[2, L // 2, L - 3]``.
+
+    Raises:
+        AuxCaptureError: ids SGLang cannot be asked for (see :func:`flag_ids_for_capture`,
+            :func:`capture_ids_from_flag`).
+    """
+    if capture_ids is None:
+        return None
+    L, convention = num_layers_of(config), capture_convention(config)
+    caps = sorted(int(c) for c in capture_ids)
+    if caps == capture_ids_from_flag(None, L, convention):
+        return None
+    flag = flag_ids_for_capture(caps, convention)
+    if capture_ids_from_flag(flag, L, convention) != caps:
+        raise AuxCaptureError(f"no --return-aux-hidden-state-layer-ids value captures {caps} under the {convention} "
+                              f"rule of a {L}-layer target")
+    return flag
+
+
 @dataclass(frozen=True)
 class AuxCapture:
     """Launch settings that make a server return aux hidden states (ours and SGLang take the same flags).
@@ -184,6 +206,15 @@ class AuxCapture:
 
     layer_ids: tuple[int, ...] | None = None
     max_row_tokens: int | None = None
+
+    @classmethod
+    def for_target(cls, config: Any, capture_ids: Sequence[int] | None = None,
+                   max_row_tokens: int | None = None) -> "AuxCapture":
+        """Launch settings for features at ``capture_ids`` (the catalog's ``training.aux_layer_ids``; None =
+        SGLang's default) of the target of ``config``: the flag value under the target's layer-id rule
+        (:func:`capture_flag_ids`), omitted when the ids are the default."""
+        flag = capture_flag_ids(config, capture_ids)
+        return cls(layer_ids=tuple(flag) if flag is not None else None, max_row_tokens=max_row_tokens)
 
     def server_args(self, launch: str, given: Sequence[str] = ()) -> list[str]:
         """Command-line flags for a ``launch`` (``embedded`` | ``sglang``) server; flags already in ``given`` (the

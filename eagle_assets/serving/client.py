@@ -12,6 +12,8 @@ by ``parse_reply``). Transport choices and why:
   and replies that fail validation (bad or truncated JSON, ``completion_tokens`` disagreeing with ``output_ids``,
   a prompt echo in ``output_ids`` whether counted or not, ``finish_reason`` abort, ...). Not retried: HTTP 400/422 (the request is invalid), 401/403 (API key), 404 (wrong
   URL), aborts carrying a 4xx status. A retry prefers another server when there are several.
+- ``post_many`` / ``post_all`` send prepared bodies of other ``/generate`` requests (aux-hidden-state capture for
+  served drafter features) through the same loop: the caller's ``parse`` raises ``ReplyError`` for an unusable reply.
 - Server choice: least requests in flight, servers that just failed are avoided for a short cool-down, ties go round
   robin. A single ``sglang-router`` URL works the same way.
 - The API key is read from the environment variable named by ``api_key_env`` and sent as
@@ -344,6 +346,78 @@ class GenerateClient:
         run_sync(self.generate_many(items, sampling, vocab_size, on_result, control_ids))
         return results  # type: ignore[return-value]
 
+    async def post_many(self, items: Iterable[tuple[str, bytes]], parse: Callable[[str, bytes], Any],
+                        on_result: Callable[[str, Any], Any]) -> ClientStats:
+        """POST prepared ``/generate`` bodies with this client's servers, retries and backoff (the module
+        docstring's rules), for requests other than plain generation (e.g. aux-hidden-state capture:
+        ``eagle_assets.drafter.served_features``).
+
+        Args:
+            items: ``(rid, body)`` pairs, ``body`` the JSON request as bytes; consumed lazily.
+            parse: ``parse(rid, raw)`` turns a 200 reply into a value; it raises ``ReplyError`` for an unusable
+                reply (retried when ``retryable``, then delivered as a ``GenerateFailure`` of that kind). Any other
+                exception cancels the remaining work and propagates.
+            on_result: ``on_result(rid, value | GenerateFailure)`` in completion order (sync or async).
+        Returns:
+            ``ClientStats`` (also ``self.last_stats``).
+        """
+        stats = ClientStats()
+        self.last_stats = stats
+        started = time.monotonic()
+        servers = [_Server(u) for u in self.urls]
+        workers = self.concurrency_per_server * len(servers)
+        iterator = iter(items)
+
+        async def worker(session: aiohttp.ClientSession) -> None:
+            while True:
+                try:
+                    rid, body = next(iterator)
+                except StopIteration:
+                    return
+                stats.requests += 1
+                t0 = time.monotonic()
+                sent = await self._send(session, servers, str(rid), body, lambda raw, r=str(rid): parse(r, raw),
+                                        stats)
+                if isinstance(sent, GenerateFailure):
+                    stats.failed += 1
+                    stats.failure_kinds[sent.kind] += 1
+                    value = sent
+                else:
+                    stats.succeeded += 1
+                    stats.latencies_s.append(time.monotonic() - t0)
+                    value = sent[0]
+                out = on_result(str(rid), value)
+                if inspect.isawaitable(out):
+                    await out
+
+        try:
+            async with self._session(workers) as session:
+                tasks = [asyncio.ensure_future(worker(session)) for _ in range(workers)]
+                try:
+                    await asyncio.gather(*tasks)
+                except BaseException:
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    raise
+        finally:
+            stats.wall_s = time.monotonic() - started
+        return stats
+
+    def post_all(self, items: Sequence[tuple[str, bytes]], parse: Callable[[str, bytes], Any]) -> list[Any]:
+        """Synchronous :meth:`post_many`: one parsed value or ``GenerateFailure`` per item, in input order
+        (rids must be unique)."""
+        position = {str(rid): i for i, (rid, _body) in enumerate(items)}
+        if len(position) != len(items):
+            raise ValueError("post_all needs unique rids")
+        results: list[Any] = [None] * len(items)
+
+        def on_result(rid: str, value: Any) -> None:
+            results[position[rid]] = value
+
+        run_sync(self.post_many(items, parse, on_result))
+        return results
+
     # ------------------------------------------------------------------------------------------------ internals
     def _pick(self, servers: list[_Server], avoid: _Server | None) -> _Server:
         if len(servers) == 1:
@@ -405,6 +479,24 @@ class GenerateClient:
             (b'{"input_ids":', json.dumps(ids, separators=(",", ":")).encode(), b',"sampling_params":', sp_bytes,
              b',"rid":', json.dumps(rid).encode(), b"}")
         )
+
+        def parse(raw: bytes) -> GenerateReply:
+            return parse_reply(raw, ids, vocab_size, max_new_tokens=sp.max_new_tokens, rid=rid, control_ids=control_ids)
+
+        sent = await self._send(session, servers, rid, body, parse, stats)
+        if isinstance(sent, GenerateFailure):
+            return sent
+        reply, attempt, server = sent
+        reply.attempts = attempt
+        reply.latency_s = time.monotonic() - started
+        reply.server_url = server.url
+        return reply
+
+    async def _send(self, session: aiohttp.ClientSession, servers: list[_Server], rid: str, body: bytes,
+                    parse: Callable[[bytes], Any], stats: ClientStats) -> tuple[Any, int, _Server] | GenerateFailure:
+        """POST ``body`` to ``/generate`` until ``parse`` accepts a 200 reply: ``(parsed, attempts, server)``, or
+        the :class:`GenerateFailure` of the last attempt (the retry rules of the module docstring; ``parse`` raises
+        ``ReplyError`` for an unusable reply, retried when ``retryable``)."""
         errors: list[str] = []
         last: _Attempt | None = None
         server: _Server | None = None
@@ -429,17 +521,13 @@ class GenerateClient:
             else:
                 if status == 200:
                     try:
-                        reply = parse_reply(raw, ids, vocab_size, max_new_tokens=sp.max_new_tokens, rid=rid,
-                                            control_ids=control_ids)
+                        parsed = parse(raw)
                     except ReplyError as exc:
                         last = _Attempt(exc.kind, f"{server.url}: {exc.detail}", exc.retryable,
                                         server_fault=exc.kind == "abort")
                     else:
                         server.failures = 0
-                        reply.attempts = attempt
-                        reply.latency_s = time.monotonic() - started
-                        reply.server_url = server.url
-                        return reply
+                        return parsed, attempt, server
                 else:
                     last = self._http_failure(server, status, raw, headers)
             finally:

@@ -135,6 +135,48 @@ def _ready_url(log_path: Path) -> str | None:
     return None
 
 
+def server_command(
+    model_path: str,
+    *,
+    launch: str = "embedded",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    extra_args: Sequence[str] = (),
+    api_key_env: str | None = None,
+    api_key: str | None = None,
+    python: str = sys.executable,
+    aux_capture: AuxCapture | None = None,
+) -> tuple[list[str], list[str]]:
+    """The command line :func:`launch_server` runs, and the same with the API key replaced by ``***``.
+
+    ``embedded``: ``python -m eagle_assets.serving.server --model-path M --host H --port P --exit-with-parent
+    [--api-key-env VAR]``; ``sglang``: ``python -m sglang.launch_server --model-path M --host H --port P
+    [--api-key KEY]``; then ``extra_args``, then the capture flags of ``aux_capture``
+    (:meth:`~eagle_assets.serving.aux_capture.AuxCapture.server_args`, e.g. from ``AuxCapture.for_target``, which
+    names ``--return-aux-hidden-state-layer-ids`` only for a non-default capture set), skipping flags the user
+    already put in ``extra_args``.
+    """
+    if launch not in LAUNCH_KINDS:
+        raise ValueError(f"launch must be one of {LAUNCH_KINDS}, got {launch!r}")
+    if launch == "embedded":
+        cmd = [python, "-m", "eagle_assets.serving.server", "--model-path", str(model_path), "--host", host,
+               "--port", str(port), "--exit-with-parent"]
+        if api_key_env:
+            cmd += ["--api-key-env", api_key_env]
+        shown = list(cmd)
+    else:
+        cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
+               "--port", str(port)]
+        shown = list(cmd)
+        if api_key:
+            cmd += ["--api-key", api_key]
+            shown += ["--api-key", "***"]
+    extra = list(extra_args)
+    if aux_capture is not None:
+        extra += aux_capture.server_args(launch, extra)
+    return cmd + extra, shown + extra
+
+
 def launch_server(
     model_path: str,
     *,
@@ -181,25 +223,10 @@ def launch_server(
             raise ValueError(f"api_key_env={api_key_env!r} names an unset or empty environment variable")
     log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="eagle-assets-server-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    if launch == "embedded":
-        cmd = [python, "-m", "eagle_assets.serving.server", "--model-path", str(model_path), "--host", host,
-               "--port", str(port), "--exit-with-parent"]
-        if api_key_env:
-            cmd += ["--api-key-env", api_key_env]
-        shown = list(cmd)
-    else:
+    if launch == "sglang":
         port = port or free_port(host)
-        cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
-               "--port", str(port)]
-        shown = list(cmd)
-        if api_key:
-            cmd += ["--api-key", api_key]
-            shown += ["--api-key", "***"]
-    extra = list(extra_args)
-    if aux_capture is not None:
-        extra += aux_capture.server_args(launch, extra)
-    cmd += extra
-    shown += extra
+    cmd, shown = server_command(str(model_path), launch=launch, host=host, port=port, extra_args=extra_args,
+                                api_key_env=api_key_env, api_key=api_key, python=python, aux_capture=aux_capture)
     log_path = log_dir / f"{launch}-server-{os.getpid()}-{int(time.time() * 1000)}.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(

@@ -13,6 +13,7 @@ import threading
 import dagster as dg
 from pydantic import PrivateAttr
 
+from eagle_assets.serving.aux_capture import AuxCapture
 from eagle_assets.serving.client import normalize_url
 from eagle_assets.serving.launch import LAUNCH_KINDS, LaunchedServer, launch_server
 
@@ -45,13 +46,17 @@ class SGLangServerResource(dg.ConfigurableResource):
     log_dir: str | None = None
 
     _server: LaunchedServer | None = PrivateAttr(default=None)
+    _capture: AuxCapture | None = PrivateAttr(default=None)
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
-    def base_urls(self, model_path: str | None = None) -> list[str]:
+    def base_urls(self, model_path: str | None = None, aux_capture: AuxCapture | None = None) -> list[str]:
         """Base URLs to send ``/generate`` to, launching a server on the first call when ``urls`` is empty.
 
         Args:
             model_path: the model to serve (defaults to the ``model_path`` field); ignored in connect mode.
+            aux_capture: launch in SGLang's aux-hidden-state capture mode (served drafter features); a server this
+                resource launched with other capture settings is stopped and launched again with these. In connect
+                mode the given servers must already run in that mode (the feature source checks ``/server_info``).
         Raises:
             ValueError: no model path, an unknown ``launch``, or a second model asked of one launched server.
             RuntimeError / TimeoutError: the server did not start (the message quotes its log).
@@ -74,9 +79,9 @@ class SGLangServerResource(dg.ConfigurableResource):
                         f"this resource already serves {server.model_path}; one launched server serves one model "
                         f"(asked for {path})"
                     )
-                if server.alive():
+                if server.alive() and self._capture == aux_capture:
                     return [server.url]
-                server.stop()  # it died: start a fresh one below
+                server.stop()  # it died, or other capture flags are needed: start a fresh one below
             self._server = launch_server(
                 str(path),
                 launch=self.launch,
@@ -86,7 +91,9 @@ class SGLangServerResource(dg.ConfigurableResource):
                 extra_args=list(self.extra_args),
                 api_key_env=self.api_key_env,
                 log_dir=self.log_dir,
+                aux_capture=aux_capture,
             )
+            self._capture = aux_capture
             return [self._server.url]
 
     @property

@@ -28,7 +28,8 @@ the client must keep unless those ids are chat-template structure), ``oov`` (an 
 ``hang_s``, past a client timeout), ``echo_auth`` (HTTP 500 whose body quotes the request's ``Authorization`` header, as careless proxies do).
 
 CLI (benchmarks; prints ``EAGLE_ASSETS_SERVER_READY http://HOST:PORT`` once it serves):
-``python -m eagle_assets.serving.stub_server [--port 0] [--latency-ms 0] [--output-tokens N] [--vocab-size V]``.
+``python -m eagle_assets.serving.stub_server [--port 0] [--latency-ms 0] [--output-tokens N] [--vocab-size V]
+[--shape THINK_START,THINK_END,STOP[,MEDIAN,SIGMA,CAP_SHARE]]`` (``ReplyShape``: long-tailed reasoning replies).
 """
 
 from __future__ import annotations
@@ -102,6 +103,41 @@ def stub_output_ids(
     return ids, {"type": "length", "length": max_new_tokens}
 
 
+@dataclass(frozen=True)
+class ReplyShape:
+    """Reasoning-model replies of lognormal length (the benchmarks' "~1,000 tokens with a long tail").
+
+    A reply to request ``rid`` (a pure function of ``rid`` and ``max_new_tokens``) has ``n`` ids, ``n`` lognormal
+    with median ``median`` and shape ``sigma``, capped at ``max_new_tokens``; a share ``cap_share`` of the rids
+    runs to the cap. Layout: ``[think_start, reasoning..., think_end, answer..., stop]`` with the think-end at
+    60-90% of the reply, finish reason ``stop`` (matched ``stop``); a reply at the cap has no think-end and no stop
+    id and finishes by ``length``, as SGLang answers a generation cut inside its reasoning. Ordinary ids are drawn
+    from ``[FIRST_ORDINARY_ID, vocab_size)``: give the first special id as ``vocab_size``.
+    """
+
+    think_start_id: int
+    think_end_id: int
+    stop_id: int
+    median: float = 850.0
+    sigma: float = 0.55
+    cap_share: float = 0.005
+
+    def output_ids(self, rid: str, max_new_tokens: int, vocab_size: int) -> tuple[list[int], dict[str, Any]]:
+        import numpy as np
+
+        rng = np.random.default_rng(zlib.crc32(str(rid).encode()) ^ (max_new_tokens * 0x9E3779B1))
+        capped = rng.random() < self.cap_share
+        n = max_new_tokens if capped else int(min(max(rng.lognormal(np.log(self.median), self.sigma), 4),
+                                                  max_new_tokens))
+        ids = rng.integers(FIRST_ORDINARY_ID, vocab_size, n)
+        ids[0] = self.think_start_id
+        if n < max_new_tokens:
+            ids[1 + int((n - 3) * rng.uniform(0.6, 0.9))] = self.think_end_id
+            ids[-1] = self.stop_id
+            return ids.tolist(), {"type": "stop", "matched": self.stop_id}
+        return ids.tolist(), {"type": "length", "length": max_new_tokens}
+
+
 def stub_truncates(rid: str, share: float) -> bool:
     """Whether a stub with ``truncate_share=share`` cuts the reply to request ``rid`` (a pure function of both)."""
     return share > 0 and zlib.crc32(str(rid).encode()) % 10_000 < share * 10_000
@@ -130,6 +166,8 @@ class StubServer:
         keep_bodies: keep every parsed request body in ``bodies`` (tests of the request shape).
         think_end_id: close a reasoning block half way in stop-terminated replies (see the module doc).
         truncate_share: share 0..1 of the rids whose reply is cut at ``max_new_tokens`` (``stub_truncates``).
+        shape: a ``ReplyShape`` (long-tailed reasoning replies; ``output_tokens``, ``think_end_id`` and
+            ``truncate_share`` are then ignored).
     """
 
     def __init__(
@@ -143,6 +181,7 @@ class StubServer:
         keep_bodies: bool = False,
         think_end_id: int | None = None,
         truncate_share: float = 0.0,
+        shape: ReplyShape | None = None,
     ):
         self.vocab_size = int(vocab_size)
         self.latency_s = float(latency_s)
@@ -153,6 +192,7 @@ class StubServer:
         self.keep_bodies = keep_bodies
         self.think_end_id = think_end_id
         self.truncate_share = float(truncate_share)
+        self.shape = shape
         self.bodies: list[dict] = []
         self.stats = StubStats()
         self._fixed_cache: dict[int, bytes] = {}
@@ -170,7 +210,9 @@ class StubServer:
         """The good reply dict for a request body."""
         sp = body.get("sampling_params") or {}
         max_new = int(sp.get("max_new_tokens", 128))
-        if self.output_tokens is None and stub_truncates(str(body.get("rid")), self.truncate_share):
+        if self.shape is not None:
+            ids, finish = self.shape.output_ids(str(body.get("rid")), max_new, self.vocab_size)
+        elif self.output_tokens is None and stub_truncates(str(body.get("rid")), self.truncate_share):
             # cut at the cap inside the reasoning: max_new_tokens ids, no think end, no stop id
             ids, finish = stub_output_ids(body["input_ids"], max_new, self.vocab_size, (), max_new)
         else:
@@ -200,7 +242,7 @@ class StubServer:
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
         if action is None:
-            if self.output_tokens is not None:
+            if self.output_tokens is not None and self.shape is None:
                 sp = body.get("sampling_params") or {}
                 max_new = int(sp.get("max_new_tokens", 128))
                 ids_bytes = self._fixed_ids_bytes(max_new)
@@ -340,10 +382,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--truncate-share", type=float, default=0.0,
                    help="share of requests (by rid hash) cut at max_new_tokens with finish_reason length")
     p.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process dies")
+    p.add_argument("--shape", default=None, metavar="THINK_START,THINK_END,STOP[,MEDIAN,SIGMA,CAP_SHARE]",
+                   help="long-tailed reasoning replies (ReplyShape), e.g. Qwen3: 151667,151668,151645")
     args = p.parse_args(argv)
+    shape = None
+    if args.shape:
+        parts = args.shape.split(",")
+        shape = ReplyShape(*map(int, parts[:3]), *map(float, parts[3:6]))
     stub = StubServer(vocab_size=args.vocab_size, latency_s=args.latency_ms / 1000.0,
                       output_tokens=args.output_tokens, think_end_id=args.think_end_id,
-                      truncate_share=args.truncate_share)
+                      truncate_share=args.truncate_share, shape=shape)
 
     async def serve() -> None:
         runner, port = await _start(stub, args.host, args.port)

@@ -164,12 +164,17 @@ def control_token_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _generation_prompt_ids(tokenizer: Any, ids: list[int], generation_prompt: str) -> list[int] | None:
+def _generation_prompt_ids(tokenizer: Any, ids: list[int], generation_prompt: str,
+                           cache: dict[str, list[int]] | None = None) -> list[int] | None:
     """The prompt's last ids that the generation prompt wrote, or None when they cannot be told apart (special
     tokens are atomic, so the ids of the generation-prompt text alone end the prompt the same way)."""
     if not generation_prompt:
         return None
-    tail = list(tokenizer(generation_prompt, add_special_tokens=False)["input_ids"])
+    tail = None if cache is None else cache.get(generation_prompt)
+    if tail is None:
+        tail = list(tokenizer(generation_prompt, add_special_tokens=False)["input_ids"])
+        if cache is not None:
+            cache[generation_prompt] = tail
     return tail if tail and ids[-len(tail):] == tail else None
 
 
@@ -199,6 +204,54 @@ def render_prompt(
         user/tool/system content), ``double_bos``, ``prompt_too_long``.
     """
     t_hash = template_hash(tokenizer)
+    texts = _render_texts(tokenizer, messages, tools, enable_thinking)
+    ids = list(tokenizer(texts[0], add_special_tokens=False)["input_ids"])
+    return _finish(tokenizer, ids, texts, enable_thinking, max_prompt_tokens, profile, t_hash, {})
+
+
+def render_prompts(
+    tokenizer: Any,
+    records: Sequence[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]],
+    enable_thinking: bool | None = None,
+    max_prompt_tokens: int | None = None,
+    profile: FamilyProfile | None = None,
+) -> list[RenderedPrompt | RenderError]:
+    """``render_prompt`` over a batch of ``(messages, tools)``: one result per record, in order, each a
+    ``RenderedPrompt`` or the ``RenderError`` that record raised (a bad record costs only itself).
+
+    The same steps as ``render_prompt`` (one code path: ``_render_texts`` then ``_finish``), except that the
+    prompt texts are tokenized in one call (the fast tokenizer's batch encode, parallel in Rust) and the ids of
+    each distinct generation-prompt text are computed once. The ids equal ``render_prompt``'s exactly (a test
+    compares them on every family and layout).
+    """
+    try:
+        t_hash = template_hash(tokenizer)
+    except RenderError as exc:  # no chat template: every record fails the same way
+        return [exc] * len(records)
+    out: list[Any] = []
+    pending: list[int] = []
+    for messages, tools in records:
+        try:
+            out.append(_render_texts(tokenizer, messages, tools, enable_thinking))
+            pending.append(len(out) - 1)
+        except RenderError as exc:
+            out.append(exc)
+    if pending:
+        encoded = tokenizer([out[i][0] for i in pending], add_special_tokens=False)["input_ids"]
+        cache: dict[str, list[int]] = {}
+        for i, ids in zip(pending, encoded):
+            try:
+                out[i] = _finish(tokenizer, list(ids), out[i], enable_thinking, max_prompt_tokens, profile, t_hash,
+                                 cache)
+            except RenderError as exc:
+                out[i] = exc
+    return out
+
+
+def _render_texts(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, enable_thinking: bool | None
+                  ) -> tuple[str, str, Any, bool]:
+    """(prompt text, text without the generation prompt, tools, tool arguments as strings) of one record, after
+    the text-level checks; raises RenderError."""
     _check_control_tokens(tokenizer, messages)
     kwargs: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     tools = tools or None
@@ -226,14 +279,25 @@ def render_prompt(
         names = [t.get("function", {}).get("name") for t in tools]
         raise RenderError(TOOLS_IGNORED, f"the chat template renders the same text with and without tools {names[:5]}; the target would never see the tool definitions")
 
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return text, without_gen, tools, args_as_string
+
+
+def _finish(tokenizer: Any, ids: list[int], texts: tuple[str, str, Any, bool], enable_thinking: bool | None,
+            max_prompt_tokens: int | None, profile: FamilyProfile | None, t_hash: str,
+            gen_cache: dict[str, list[int]]) -> RenderedPrompt:
+    """The id-level checks and flags of one rendered record (``texts`` from ``_render_texts``); raises
+    RenderError. ``gen_cache``: generation-prompt text -> its ids, filled as it goes."""
+    text, without_gen, tools, args_as_string = texts
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
         raise RenderError(DOUBLE_BOS, f"the prompt starts with two BOS ids ({bos}); the template already writes BOS, so the text must not contain another one")
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         raise RenderError(PROMPT_TOO_LONG, f"{len(ids)} prompt tokens > max_prompt_tokens {max_prompt_tokens}")
-    generation_prompt = text[len(os.path.commonprefix([text, without_gen])):]
-    gen_ids = _generation_prompt_ids(tokenizer, ids, generation_prompt)
+    # the text without the generation prompt is nearly always a prefix: a startswith is O(n) in C, commonprefix
+    # a Python loop over characters
+    cut = len(without_gen) if text.startswith(without_gen) else len(os.path.commonprefix([text, without_gen]))
+    generation_prompt = text[cut:]
+    gen_ids = _generation_prompt_ids(tokenizer, ids, generation_prompt, gen_cache)
     scope = ids if gen_ids is None else gen_ids  # the whole prompt only when the tail cannot be delimited
     opens = opens_think_block(scope, profile)
     after_start: list[int] | None = None

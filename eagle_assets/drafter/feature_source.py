@@ -1,0 +1,288 @@
+"""Where the drafter trainer's target features come from: the catalog's ``training.features`` switch.
+
+- ``local`` (:class:`LocalFeatures`, the default): the target is loaded with transformers in the trainer's process;
+  :class:`~eagle_assets.drafter.feature_cache.FeatureCache` runs it for the aux hidden states and final hidden
+  states, and the teacher is the softmax of the target's lm_head rows of the draft vocab
+  (:func:`~eagle_assets.drafter.ttt_loss.supervision`).
+- ``served`` (:class:`ServedFeatures`): no target weights in this process except the input embedding (the drafter's
+  frozen embedding, read from the safetensors shard that holds it) and ``config.json``. Each training and
+  validation row's aux hidden states and teacher come from an SGLang server in aux-capture mode
+  (:class:`~eagle_assets.drafter.served_features.ServedFeatureSource` +
+  :class:`~eagle_assets.drafter.served_features.ServedFeatureCache`); the learning curve's simulated acceptance
+  reads the target's greedy ids from the same replies and asks the server for the exact re-runs (one
+  ``max_new_tokens: 1`` request each). docs/served_features.md describes the protocol and the costs.
+
+Both give the trainer the same things: the target's depth, embedding and config, the rows it may train on
+(``admit``: a served row whose reply was refused is left out and counted in the skip reasons as
+``served_<reason>``), ``feature_cache(...)`` (per split, ``get(batch)``), ``supervision(...)`` (the teacher of a
+batch, as :class:`~eagle_assets.drafter.ttt_loss.Supervision`), and what
+:func:`~eagle_assets.drafter.acceptance.simulate_acceptance` needs. With ``teacher: topk`` and ``top_k`` >= the
+target vocab, the served teacher is the local one and the trainer ends with the local drafter up to float rounding
+(``eagle_assets_tests/test_served_training.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from eagle_assets.drafter.feature_cache import FeatureCache, PreparedRow
+from eagle_assets.drafter.features import decoder_parts
+from eagle_assets.drafter.ttt_loss import supervision
+from eagle_assets.drafter.vocab import DraftVocab
+
+
+def feature_source(target_dir: Any, features: Any, load_target: Callable[[Any], nn.Module],
+                   log: Callable[[str], None]) -> "LocalFeatures | ServedFeatures":
+    """The feature source ``features`` (a ``catalog.FeaturesSpec``; None = local) asks for.
+
+    Raises:
+        ValueError: ``served`` with an already loaded target module instead of a model directory.
+    """
+    if features is None or features.source == "local":
+        return LocalFeatures(load_target(target_dir))
+    if isinstance(target_dir, nn.Module):
+        raise ValueError("training.features.source = served needs the target's model directory (its config.json "
+                         "and embedding), not a loaded model")
+    return ServedFeatures(Path(target_dir), features, log)
+
+
+class LocalFeatures:
+    """Today's path: the loaded target computes every feature (see the module docstring).
+
+    Attributes:
+        target: the frozen target (a HF causal LM); num_layers, embedding: its decoder depth and input embedding.
+    """
+
+    served = False
+    greedy_next = None  # re-runs of the acceptance simulation run the target itself
+    feature_cache = FeatureCache  # the trainer's per-split features: computed by the target
+    supervision = staticmethod(supervision)  # the teacher: softmax of the target's lm_head rows of the draft vocab
+
+    def __init__(self, target: nn.Module):
+        self.target = target
+        _, layers, _, self.lm_head = decoder_parts(target)
+        self.num_layers = len(layers)
+        self.embedding = target.get_input_embeddings().weight
+
+    def teacher(self, draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The lm_head rows (and bias) of the draft vocab: float32 ``[D, H]``, ``[D]`` or None."""
+        bias = getattr(self.lm_head, "bias", None)
+        return (self.lm_head.weight.detach()[draft_ids].float(),
+                bias.detach()[draft_ids].float() if bias is not None else None)
+
+    def admit(self, rows: list[PreparedRow], reasons: dict[str, int], split: str, capture: list[int],
+              vocab: DraftVocab) -> list[PreparedRow]:
+        """Every row has local features."""
+        return rows
+
+    def acceptance_features(self, split: str) -> dict[int, Any]:
+        """Empty: :func:`simulate_acceptance` fills it on first use."""
+        return {}
+
+    def acceptance_rows(self, rows: Sequence, capture: list[int], vocab: DraftVocab):
+        """``(rows, simulate_acceptance keyword arguments)``: the rows as given, the target runs."""
+        return rows, {}
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Nothing beyond the target's parameters (the fingerprint of today's states stays the same)."""
+        return {}
+
+
+class _NoRows:
+    """Features of an empty split (no validation rows)."""
+
+    rows: list = []
+    cache = None
+
+    def get(self, batch: list[int]) -> list:
+        return []
+
+
+class ServedTarget(nn.Module):
+    """What the trainer keeps of a target whose features are served: its ``config`` (the language model's, for a
+    multimodal wrapper such as Kimi-K2.5) and its frozen input embedding ``[V, H]`` (the only parameter; the
+    training state's fingerprint hashes it)."""
+
+    def __init__(self, config: Any, embedding: torch.Tensor):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding.from_pretrained(embedding.float(), freeze=True)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+
+def target_text_config(model_dir: Path) -> Any:
+    """The target's language-model config from ``config.json`` without its weights or remote code.
+
+    transformers' own class when it knows the ``model_type`` (Qwen3, DeepSeek-V3, ...), else a plain
+    ``PretrainedConfig`` of the JSON fields (Kimi-K2.5's ``text_config`` is DeepSeek-V3's layout).
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    raw = json.loads((model_dir / "config.json").read_text())
+    text = raw.get("text_config") or raw
+    try:
+        config = AutoConfig.for_model(**text) if "model_type" in text else PretrainedConfig(**text)
+    except (ValueError, KeyError, TypeError):
+        config = PretrainedConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    for name in ("dtype", "torch_dtype"):  # the stored dtype is named at the top level of multimodal configs
+        if raw.get(name) and not text.get(name):
+            setattr(config, name, raw[name])
+    return config
+
+
+class ServedFeatures:
+    """Features from an SGLang server in aux-capture mode (see the module docstring).
+
+    Args:
+        model_dir: the target's directory (``config.json`` and the safetensors shard with the input embedding).
+        spec: ``catalog.FeaturesSpec`` with ``source: served`` and ``url`` (the asset fills it from the pipeline's
+            server resource when the catalog leaves it null) and, for ``cache: disk``, ``cache_dir``.
+
+    Raises:
+        ValueError: no URL, or ``cache: disk`` without a ``cache_dir``.
+    """
+
+    served = True
+
+    def __init__(self, model_dir: Path, spec: Any, log: Callable[[str], None]):
+        from eagle_assets.drafter.served_features import read_target_tensor
+
+        if not spec.urls:
+            raise ValueError("training.features.source = served needs training.features.url (or the pipeline's "
+                             "server resource) to name a server in aux-capture mode")
+        if spec.cache == "disk" and not spec.cache_dir:
+            raise ValueError("training.features.cache = disk needs training.features.cache_dir")
+        self.model_dir, self.spec, self.log = model_dir, spec, log
+        config = target_text_config(model_dir)
+        self.num_layers = int(config.num_hidden_layers)
+        self.embedding = read_target_tensor(model_dir, "embed_tokens.weight").float()
+        self.target = ServedTarget(config, self.embedding)
+        self.source = None
+        self.views: dict[str, Any] = {}
+        self.draft_index: torch.Tensor | None = None
+
+    def _source(self, capture: list[int]):
+        from eagle_assets.drafter.served_features import ServedFeatureSource
+
+        if self.source is None:
+            self.source = ServedFeatureSource(self.model_dir, self.spec, capture_ids=capture,
+                                              target_name=str(self.model_dir), log=self.log)
+        return self.source
+
+    def admit(self, rows: list[PreparedRow], reasons: dict[str, int], split: str, capture: list[int],
+              vocab: DraftVocab) -> list[PreparedRow]:
+        """Fetch (or read from the shard cache) the features of ``rows``; rows the server's replies were refused
+        for are left out and counted in ``reasons`` as ``served_<reason>``. ``cache: none`` fetches nothing here
+        (a refused row then stops training when its batch comes)."""
+        from eagle_assets.drafter.served_features import ServedFeatureCache
+
+        if not rows:
+            return rows
+        cache = ServedFeatureCache(rows, self._source(capture), self.spec.cache, vocab.draft_token_ids,
+                                   vocab.target_vocab_size, cache_dir=self.spec.cache_dir)
+        self.draft_index = cache.draft_index
+        usable = cache.usable()
+        for i, reason in cache.refused.items():
+            reasons[f"served_{reason}"] = reasons.get(f"served_{reason}", 0) + 1
+        if len(usable) < len(rows):
+            self.log(f"served features: {len(rows) - len(usable)} of {len(rows)} {split} rows refused "
+                     f"({dict(self.source.stats.refused)}); they are left out")
+        kept = [rows[i] for i in usable]
+        view = cache.subset(usable)
+        view.rows = kept  # the very list the trainer keeps, so feature_cache() finds this view by it
+        self.views[split] = view
+        return kept
+
+    def teacher(self, draft_ids: torch.Tensor) -> tuple[None, None]:
+        """No lm_head here: the teacher comes with the served features."""
+        return None, None
+
+    def feature_cache(self, target: Any, capture: list[int], rows: list[PreparedRow], cache: bool,
+                      batch_tokens: int, **_parallel: Any):
+        """The :class:`ServedFeatureCache` view :meth:`admit` fetched for ``rows`` (the same list object; the
+        trainer's data-parallel row ownership does not matter: every rank holds the views of all rows)."""
+        for view in self.views.values():
+            if view.rows is rows:
+                return view
+        if not rows:
+            return _NoRows()
+        raise ValueError("served features were asked for rows admit() did not fetch")
+
+    def supervision(self, teachers: Sequence[np.ndarray], feats: Sequence, in_draft: torch.Tensor,
+                    _teacher_w: Any = None, _teacher_b: Any = None):
+        """``ttt_loss.supervision`` from served teachers (:func:`~eagle_assets.drafter.served_features.
+        served_supervision`)."""
+        from eagle_assets.drafter.served_features import served_supervision
+
+        return served_supervision(teachers, [f[1] for f in feats], in_draft, self.draft_index)
+
+    def acceptance_features(self, split: str) -> dict[int, tuple[torch.Tensor, np.ndarray]]:
+        """``{row: (aux [1, T, W], target greedy ids [T])}`` of an admitted split, for ``simulate_acceptance``."""
+        view = self.views.get(split)
+        if view is None:
+            return {}
+        return {i: (f.aux_hidden.unsqueeze(0), f.target_greedy)
+                for i in range(len(view.rows)) for _aux, f, _g in view.get([i])}
+
+    def acceptance_rows(self, rows: Sequence, capture: list[int], vocab: DraftVocab):
+        """``(rows with served features, simulate_acceptance keyword arguments)`` for evaluation rows; rows the
+        server refused are left out."""
+        from eagle_assets.drafter.served_features import RefusedRow, served_features
+
+        kept, features = [], {}
+        for row, got in zip(rows, served_features(list(rows), self._source(capture))):
+            if isinstance(got, RefusedRow):
+                continue
+            features[len(kept)] = (got.aux_hidden.unsqueeze(0), got.target_greedy)
+            kept.append(row)
+        return kept, {"features": features, "greedy_next": self.greedy_next}
+
+    def greedy_next(self, prefix: np.ndarray) -> int:
+        """The served target's greedy token after ``prefix`` (one ``max_new_tokens: 1`` request)."""
+        from eagle_assets.serving.protocol import GenerateFailure, SamplingParams
+
+        client = self.source.client
+        reply = client.generate_all([("greedy-next", [int(t) for t in prefix])],
+                                    SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))[0]
+        if isinstance(reply, GenerateFailure):
+            raise RuntimeError(f"the served target gave no greedy token for a {len(prefix)}-token prefix "
+                               f"({reply.kind}: {reply.last_error})")
+        return int(reply.output_ids[0])
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a resumed state must share besides the embedding: the served feature spec (layers, teacher, K)."""
+        spec = self.source.spec if self.source is not None else None
+        return {"features": {"source": "served", "teacher": self.spec.teacher,
+                             "top_k": spec.top_k if spec else None,
+                             "capture_ids": list(spec.capture_ids) if spec else None}}
+
+
+def resolve_features(spec: Any, model_dir: Path, default_cache_dir: Path, capture_ids: Sequence[int] | None,
+                     max_row_tokens: int, server_urls: Callable[[Any], list[str]],
+                     server_api_key_env: str | None = None) -> Any:
+    """The catalog's ``training.features`` ready for :func:`~eagle_assets.drafter.train.train_drafter`: for
+    ``served`` without a ``url``, the pipeline's server (``server_urls(aux_capture)``: the ``sglang`` resource's
+    URLs, or one it launches with SGLang's capture flags for ``capture_ids`` under the target's layer-id rule and a
+    ``--chunked-prefill-size`` of at least ``max_row_tokens``) and its API key variable; for ``cache: disk``
+    without a ``cache_dir``, ``default_cache_dir``. ``local`` is returned as is."""
+    from eagle_assets.serving.aux_capture import AuxCapture
+
+    if spec is None or spec.source != "served":
+        return spec
+    update: dict[str, Any] = {}
+    if not spec.urls:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        update["url"] = list(server_urls(AuxCapture.for_target(config, capture_ids, max_row_tokens)))
+        if spec.api_key_env is None and server_api_key_env:
+            update["api_key_env"] = server_api_key_env
+    if spec.cache == "disk" and not spec.cache_dir:
+        update["cache_dir"] = str(default_cache_dir)
+    return spec.model_copy(update=update)
