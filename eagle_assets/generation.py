@@ -13,7 +13,7 @@ refuses to start when another process holds it. Temp files left by a killed writ
 
 Live quality (optional ``monitor``, an ``eagle_assets.quality.live.LiveQualityMonitor``): the monitor is seeded with
 the rows already in the shards and fed every new row; at each of its reports ``live_stats.json`` is rewritten
-(atomically) beside the shards, alarms go to the ``alarm`` callback once per change of level, and a one-line summary
+(atomically, by a writer thread: no file I/O on the event loop; the final figures synchronously) beside the shards, alarms go to the ``alarm`` callback once per change of level, and a one-line summary
 goes to ``progress`` at most every ``live.log_every_s`` seconds. When the monitor decides to stop, no new request is
 sent: the requests already in flight finish and their rows are kept like every other row, and the stats say
 ``stopped_early`` with the reason. The unsent prompts are not failures; the next materialization sends them.
@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import json
 import os
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -211,6 +212,54 @@ def run_generation(
                            None if control_ids is None else frozenset(control_ids))
 
 
+class _LatestJsonWriter:
+    """Writes ``live_stats.json`` in a background thread, so its file I/O stays off the event loop: ``put``
+    hands over a snapshot (the latest one wins; one the thread has not reached yet is skipped, so the file only
+    moves forward), ``close`` waits for the last one handed over. Write errors are raised by ``close``."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._pending: dict | None = None
+        self._closing = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def put(self, snapshot: dict) -> None:
+        with self._lock:
+            self._pending = snapshot
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="live-stats-writer", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                snapshot, self._pending, closing = self._pending, None, self._closing
+            if snapshot is not None:
+                try:
+                    write_json_atomic(snapshot, self.path)
+                except BaseException as exc:  # noqa: BLE001 - raised in the generating thread by close()
+                    self._error = exc
+            if closing:
+                return
+
+    def close(self) -> None:
+        if self._thread is not None:
+            with self._lock:
+                self._closing = True
+            self._wake.set()
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
 def _generation_table(rows: list[dict]) -> pa.Table:
     """``rows`` (dicts of ``GENERATION_SCHEMA``'s columns, ``output_ids`` validated ints of the target vocab) as a
     table. The ids go through numpy, which converts Python ints ~15x faster than ``pa.Table.from_pylist`` (~1.8
@@ -285,7 +334,11 @@ def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows
             generation={"requested": stats.requested, "succeeded": stats.succeeded, "failed": stats.failed,
                         "not_sent": stats.not_sent if final else None},
         )
-        write_json_atomic(snap, out_dir / LIVE_STATS_FILE)
+        if final:  # the last figures: written here and now, after every earlier snapshot
+            live_writer.close()
+            write_json_atomic(snap, out_dir / LIVE_STATS_FILE)
+        else:
+            live_writer.put(snap)
 
     def live_report(final: bool = False) -> None:
         # the final evaluation covers the last rows but decides nothing: every prompt has been sent by then
@@ -405,6 +458,7 @@ def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows
             with contextlib.suppress(asyncio.CancelledError):
                 await ticker
 
+    live_writer = _LatestJsonWriter(out_dir / LIVE_STATS_FILE)
     write_live()
     try:
         if requested:
@@ -420,8 +474,11 @@ def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows
         merged.update({k: v for k, v in new_failures.items() if k not in done_now})
         write_parquet_atomic(pa.Table.from_pylist(list(merged.values()), schema=FAILURE_SCHEMA),
                              out_dir / FAILURES_FILE)
-        if monitor is not None:
-            live_report(final=True)
+        try:
+            if monitor is not None:
+                live_report(final=True)  # closes the writer, then writes the final figures
+        finally:
+            live_writer.close()  # idempotent; stops the writer thread whatever happened above
     report(final=True)
     if monitor is not None and progress is not None:
         progress(monitor.log_line())

@@ -62,6 +62,7 @@ class PromptsFile:
             known = col.is_valid().to_numpy(zero_copy_only=False)
             self.opens[known] = col.fill_null(False).to_numpy(zero_copy_only=False)[known].astype(np.int8)
         self._cache: OrderedDict[int, pa.Array] = OrderedDict()
+        self._flat: dict[int, tuple] = {}  # the last row group ids_of read: (array, flat values, offsets)
         self._cache_groups = max(1, int(cache_groups))
 
     @classmethod
@@ -113,7 +114,16 @@ class PromptsFile:
         if i is None:
             return None
         g = int(np.searchsorted(self._group_start, i, side="right") - 1)
-        return self._group(g)[i - int(self._group_start[g])].as_py()
+        flat = self._flat.get(g)
+        if flat is None or self._group(g) is not flat[0]:
+            arr = self._group(g)
+            # numpy's tolist is ~30x faster than a ListScalar's as_py for a few hundred ids
+            flat = (arr, arr.values.to_numpy(zero_copy_only=False), arr.offsets.to_numpy())
+            self._flat = {g: flat}
+        j = i - int(self._group_start[g])
+        if flat[0].null_count and not flat[0][j].is_valid:  # a null prompt_ids value
+            return None
+        return flat[1][flat[2][j]:flat[2][j + 1]].tolist()
 
     def iter_prompts(self, batch_rows: int = PROMPT_ROW_GROUP_ROWS) -> Iterator[tuple[str, list[int]]]:
         """``(sample_id, prompt_ids)`` of every row in file order; one record batch of Python lists at a time."""

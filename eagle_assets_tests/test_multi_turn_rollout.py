@@ -51,6 +51,10 @@ def test_a_failed_turn_request_is_counted_and_resumed_at_that_turn(qwen, tmp_pat
         assert _ends(tmp_path) == {("c0", "complete", 3), ("c2", "complete", 3), ("c1", "request_failed", 1)}
         assert stats.failed >= 1 and stats.summary()["ends_by_turn"]["2"] == {"request_failed": 1}
         assert stats.rows_by_turn == {1: 3, 2: 2, 3: 2}
+        # sent in one round only (2 attempts), not again in round 3; its failure row is kept
+        assert server.stats.per_rid["c1:on:2"] == 2 and stats.rounds == 3
+        failures = pq.read_table(tmp_path / "failures.parquet").to_pylist()
+        assert [(f["sample_id"], f["kind"]) for f in failures] == [("c1:on:2", "http_500")]
         server.fault = None
         before = dict(server.stats.per_rid)
         again = _run(tok, prof, running.url, tmp_path, convs)
@@ -73,13 +77,14 @@ def test_live_fail_fast_stops_between_turns_keeps_rows_and_resumes(qwen, tmp_pat
 
     def make(opens, prompt_ids):
         return LiveQualityMonitor(prof, {"short_tokens": 2, "max_share_dropped_error": 0.3},
-                                  {"warmup_rows": 4, "report_every_rows": 1}, prompt_opens_think=opens,
+                                  {"warmup_rows": 8, "report_every_rows": 1}, prompt_opens_think=opens,
                                   prompt_ids=prompt_ids, partition="P")
 
     server = Rambling(tok, {})
     with serve_stub_in_thread(server) as running:
         stats = _run(tok, prof, running.url, tmp_path, convs, make_monitor=make)
-        assert stats.stopped_early and "share_dropped" in stats.stop_reason
+        # round 1 (6 good turn-1 rows) is under the 8 warm-up rows; round 2 judges the call's rows, both rounds
+        assert stats.stopped_early and "share_dropped" in stats.stop_reason and stats.rounds == 2
         ends = _ends(tmp_path)
         assert {r for _, r, _ in ends} <= {"qc_dropped", "not_generated"} and any(r == "qc_dropped" for _, r, _ in ends)
         assert stats.monitor.snapshot()["by_turn"]["2"]["drop_reasons"] == {"truncated_in_reasoning": stats.rows_by_turn[2]}

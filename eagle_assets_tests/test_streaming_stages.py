@@ -10,6 +10,8 @@ rows of the one-batch path.
 - ``run_generation`` from a ``PromptsFile`` against the stub server over real HTTP: several bounded shards, killed
   part way (the client's callback raises) and resumed shard by shard, every prompt exactly once, the same rows as
   a run from the in-memory list; the live figures equal what QC finds in the same shards.
+- Shards built through numpy equal ``pa.Table.from_pylist``'s; the stub's ``ReplyShape`` (the benchmarks'
+  long-tailed reasoning replies) is deterministic, long-tailed, and kept by QC unless cut at the cap.
 """
 
 from __future__ import annotations
@@ -258,3 +260,34 @@ def test_generation_from_a_prompts_file_streams_resumes_per_shard_and_matches_qc
     assert snap["rows"] == qc.rows == 300 and snap["rows_earlier_runs"] == first
     assert snap["drop_reasons"] == {r: k for r, k in qc.reasons.items() if k}
     assert snap["kept"] == qc.kept
+
+
+def test_shards_written_through_numpy_equal_what_table_from_pylist_writes():
+    from eagle_assets.generation import _generation_table
+
+    rng = random.Random(3)
+    rows = [{"sample_id": f"s{i}", "output_ids": [rng.randrange(0, 2**31 - 1) for _ in range(rng.randrange(0, 30))],
+             "finish_reason": rng.choice(["stop", "length", None]), "matched_stop": rng.choice([None, 2]),
+             "completion_tokens": rng.randrange(0, 30), "prompt_tokens": rng.choice([None, 7]),
+             "latency_s": rng.random(), "attempts": 1, "sampling_params": "{}"} for i in range(40)]
+    assert _generation_table(rows).equals(pa.Table.from_pylist(rows, schema=GENERATION_SCHEMA))
+
+
+def test_reply_shape_gives_long_tailed_qwen3_replies_that_qc_keeps():
+    from eagle_assets.quality.segment import segment_row
+    from eagle_assets.serving.stub_server import ReplyShape
+    from eagle_assets.target_model.profile import FamilyProfile
+
+    shape = ReplyShape(think_start_id=4, think_end_id=3, stop_id=2, median=200, sigma=0.6, cap_share=0.02)
+    profile = FamilyProfile(name="custom", think_start_id=4, think_end_id=3, tool_call_start_ids=(5,),
+                            tool_call_end_ids=(6,), end_of_turn_id=2, stop_ids=(2,))
+    replies = [shape.output_ids(f"r{i}", 2000, 500) for i in range(600)]
+    assert replies[5] == shape.output_ids("r5", 2000, 500)  # a pure function of the rid
+    lengths = np.array([len(ids) for ids, _ in replies])
+    capped = [finish["type"] == "length" for _, finish in replies]
+    assert 150 < np.median(lengths) < 250 and lengths.mean() > np.median(lengths) and 3 <= sum(capped) <= 30
+    for ids, finish in replies:
+        row = {"sample_id": "x", "output_ids": ids, "finish_reason": finish["type"],
+               "matched_stop": finish.get("matched"), "completion_tokens": len(ids)}
+        seg = segment_row(row, profile, prompt_opens_think=False, vocab_size=500)
+        assert seg.kept == (finish["type"] == "stop"), seg.drop_reason
