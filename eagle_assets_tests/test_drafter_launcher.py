@@ -139,3 +139,58 @@ def test_torchrun_checkpoint_has_the_weights_of_an_inline_run(materialized, tmp_
     diff = max(float((ref[k].float() - got[k].float()).abs().max()) for k in ref if ref[k].is_floating_point())
     assert diff < ATOL
     assert torch.equal(ref["d2t"], got["d2t"])
+
+
+def test_torchrun_with_served_features_fetches_each_row_once_and_matches_an_inline_run(tmp_path):
+    """``launcher: torchrun`` with ``features: served``: the 2 ranks get the features spec, no rank loads the target,
+    each fetches only the rows it trains on (so every training row is in exactly one rank's feature shards, and the
+    validation rows in rank 0's), and the weights are those of an inline served run of the same inputs (tolerance
+    as above). The server is our embedded one in aux-capture mode, in a thread of this process."""
+    from safetensors import safe_open
+
+    from eagle_assets.drafter.feature_shards import row_key
+    from eagle_assets.drafter.train_command import read_features
+    from eagle_assets.serving.server import serve_in_thread
+
+    target_dir = tmp_path / "target"
+    tiny_qwen3(VOCAB, LAYERS, initializer_range=1.0).save_pretrained(target_dir)
+    with serve_in_thread(str(target_dir), enable_return_aux_hidden_states=True,
+                         speculative_algorithm="EAGLE3") as server:
+        path = write_catalog(tmp_path, target_dir, features={"source": "served", "url": server.url,
+                                                             "teacher": "topk", "top_k": VOCAB})
+        store = tmp_path / "store"
+        write_qc_partition(store / "catalog" / "qc_shards" / "P1", ROWS, seed=2)
+        defs = build_definitions(path, storage_root=store)
+        wanted = {dg.AssetKey(k) for k in ("draft_vocab", "training_mix", "drafter_checkpoint")}
+        (tmp_path / "dagster_home").mkdir()
+        with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
+            result = dg.materialize([a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and a.keys & wanted],
+                                    instance=instance, resources=defs.resources, raise_on_error=False)
+            logs = [e.user_message for e in instance.all_logs(result.run_id)]
+        assert result.success, "\n".join(logs[-30:])
+        assert any("features served" in m for m in logs)
+        stage = store / "catalog" / "drafter_checkpoint"
+        inputs = stage / "train_inputs"
+        features = read_features(inputs / "features.json")
+        assert features.source == "served" and features.urls == [server.url]
+        train = read_rows([inputs / "train.parquet"])
+        validation = read_rows([inputs / "validation.parquet"])
+        keys = []
+        for shard in sorted((stage / "features").glob("features-*.safetensors")):
+            with safe_open(str(shard), framework="pt") as f:
+                keys += json.loads(f.metadata()["row_keys"])
+        # every row fetched once: by the rank that trains on it (validation rows: by rank 0, which scores them)
+        assert sorted(keys) == sorted(row_key(np.asarray(i, np.int64), np.asarray(m)) for i, m in train + validation)
+        assert any(m.startswith(f"served features: {len(train)} of {len(train)} train rows fetched over 2 ranks")
+                   for m in logs)
+        checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+        assert checks["export_contract"] is True and "acceptance_length" in checks
+
+        inline = train_drafter(target_dir, train, read_draft_vocab(inputs / "draft_vocab"),
+                               read_config(inputs / "config.json"), tmp_path / "ckpt", validation_rows=validation,
+                               features=features.model_copy(update={"cache_dir": str(tmp_path / "inline")}))
+    ref = load_file(str(inline.checkpoint_dir / "model.safetensors"))
+    got = load_file(str(stage / "checkpoint" / "model.safetensors"))
+    assert set(ref) == set(got)
+    diff = max(float((ref[k].float() - got[k].float()).abs().max()) for k in ref if ref[k].is_floating_point())
+    assert diff < ATOL

@@ -129,3 +129,21 @@ def test_held_out_splits_are_disjoint_capped_per_partition_and_stable():
     assert {s for s, v in by_fraction.items() if v == "train"} == {s for s in ids if not is_holdout(s, 0.25, 3)}
     assert sum(v == "validation" for v in by_fraction.values()) == 2
     assert row_splits(ids, TrainingSpec(holdout_fraction=0.8, holdout_rows=34, validation_rows=4, seed=1)) != splits
+
+
+def test_turns_and_thinking_modes_of_one_conversation_share_their_split():
+    from eagle_assets.assets.training import row_splits
+    from eagle_assets.catalog import TrainingSpec
+    from eagle_assets.conversation.walk import conversation_id, turn_row_id
+
+    spec = TrainingSpec(holdout_fraction=0.5, holdout_rows=10, validation_rows=2, seed=0)
+    samples = [f"MT:{i:03d}" for i in range(30)]  # ids that contain ':' themselves
+    rows = [turn_row_id(s, mode, turn) for s in samples for mode in ("on", "off") for turn in (1, 2, 3)]
+    assert {conversation_id(r) for r in rows} == set(samples)
+    assert conversation_id("MT:007") == "MT:007" and conversation_id("a:maybe:2") == "a:maybe:2"
+    splits = row_splits(rows, spec)
+    for s in samples:
+        assert len({splits[turn_row_id(s, m, t)] for m in ("on", "off") for t in (1, 2, 3)}) == 1
+    by_sample = row_splits(samples, spec)  # the same conversations, one row each: the same split
+    assert all(splits[turn_row_id(s, "on", 2)] == by_sample[s] for s in samples)
+    assert sum(v != "train" for v in by_sample.values()) == 10  # the cap counts conversations, not turn rows

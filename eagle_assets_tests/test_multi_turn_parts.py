@@ -49,6 +49,10 @@ def test_catalog_all_turns_fields_and_the_both_mode_rule(tmp_path):
         load_catalog(_catalog(tmp_path, "    enable_thinking: both\n"))
     with pytest.raises(CatalogError, match="weights must be >= 0"):
         load_catalog(_catalog(tmp_path, "", "training: {mix: {turn_weights: {2: -1}}}\n"))
+    greeting = [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "Q"},
+                {"role": "assistant", "content": "A"}]
+    assert first_turn_messages(greeting) == greeting[:2]  # a greeting before the first user turn stays
+    assert ConversationWalk.start("s", "on", greeting).pos == 2
     assert thinking_modes(None) == [("default", None)] and thinking_modes(False) == [("off", False)]
     with pytest.raises(ValueError, match="enable_thinking"):
         thinking_modes("sometimes")

@@ -54,7 +54,7 @@ def test_a_failed_turn_request_is_counted_and_resumed_at_that_turn(qwen, tmp_pat
         # sent in one round only (2 attempts), not again in round 3; its failure row is kept
         assert server.stats.per_rid["c1:on:2"] == 2 and stats.rounds == 3
         failures = pq.read_table(tmp_path / "failures.parquet").to_pylist()
-        assert [(f["sample_id"], f["kind"]) for f in failures] == [("c1:on:2", "http_500")]
+        assert [(f["sample_id"], f["kind"]) for f in failures] == [("c1:on:2", "http_5xx")]
         server.fault = None
         before = dict(server.stats.per_rid)
         again = _run(tok, prof, running.url, tmp_path, convs)

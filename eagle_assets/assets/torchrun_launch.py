@@ -14,6 +14,12 @@ the step's compute logs. The training state directory is the inline launcher's, 
 many processes wrote it, so a run killed under one launcher resumes under the other. ``--standalone`` is one node
 (torchrun's local rendezvous); several nodes need torchrun's ``--nnodes`` / ``--rdzv-endpoint``, which this
 launcher does not pass (untested: docs/scaling.md).
+
+With ``training.features: served`` the resolved features spec goes to the ranks as ``train_inputs/features.json``:
+no rank loads the target, each fetches from the server only the features of the rows it trains on (its
+``DataParallel.shard`` of every batch; ``ServedFeatures.admit``), rank 0 those of the validation rows. The server
+(the catalog's ``features.url``, or the one the step's server resource launched) must outlive the command, which it
+does: the resource is the step's.
 """
 
 from __future__ import annotations
@@ -37,20 +43,21 @@ def torchrun_command(nproc_per_node: int, target_dir: Path, inputs: Path, out: P
 
 
 def train_with_torchrun(context: dg.AssetExecutionContext, target_dir: Path, rows: Sequence, validation: Sequence,
-                        vocab_dir: Path, config, stage: Path, nproc_per_node: int):
+                        vocab_dir: Path, config, stage: Path, nproc_per_node: int, features=None):
     """Run the training command under torchrun for ``drafter_checkpoint``; its :class:`TrainResult`.
 
     Args:
         target_dir: the target model directory; rows / validation: ``(input_ids, loss_mask)`` in training order.
         vocab_dir: the ``draft_vocab`` asset's directory; config: the TrainConfig.
         stage: ``drafter_checkpoint``'s directory (``train_inputs/``, ``checkpoint/``, ``train_state/`` in it).
+        features: the resolved ``catalog.FeaturesSpec`` (None or ``local``: every rank loads the target).
 
     Raises:
         dagster.DagsterPipesExecutionError: the command failed (its stderr is in the step's compute logs).
     """
     from eagle_assets.drafter.train_command import train_result_from_dict, write_training_inputs
 
-    inputs = write_training_inputs(stage / "train_inputs", rows, validation, config, vocab_dir)
+    inputs = write_training_inputs(stage / "train_inputs", rows, validation, config, vocab_dir, features=features)
     out = stage / "checkpoint"
     command = torchrun_command(nproc_per_node, target_dir, inputs, out, stage / "train_state")
     context.log.info(f"launching {nproc_per_node} training process(es): {shlex.join(command)}")

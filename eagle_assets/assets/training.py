@@ -39,22 +39,27 @@ SPLITS = ("train", "validation", "test")
 def row_splits(sample_ids: list[str], training) -> dict[str, str]:
     """``sample_id -> "train" | "validation" | "test"`` for one partition's QC rows.
 
-    Held out (never trained on): every id :func:`is_holdout` puts under ``training.holdout_fraction``, at most
+    The unit of the split is the conversation (``conversation.walk.conversation_id``): every turn row and both
+    thinking modes of one conversation land in the same split, so a held-out turn never has its own prompt or
+    earlier turns in the training rows; a single-turn row is its own conversation. Held out (never trained on):
+    every conversation :func:`is_holdout` puts under ``training.holdout_fraction``, at most
     ``training.holdout_rows`` of them (lowest keyed hash first; null = no cap). So a large fraction with a cap gives
     the same count in every partition big enough (the default catalog: 34 of 48), and a small partition keeps its
-    share of training rows. Of the held-out rows, the ``validation_rows`` of highest hash (at most half of them)
-    steer training; the rest are the acceptance check's test rows. The training rows are exactly the ids
-    :func:`is_holdout` leaves out, and validation never overlaps the test rows.
+    share of training rows. Of the held-out conversations, the ``validation_rows`` of highest hash (at most half of
+    them) steer training; the rest are the acceptance check's test rows. The training rows are exactly those whose
+    conversation :func:`is_holdout` leaves out, and validation never overlaps the test rows.
     """
-    ranked = sorted(sample_ids, key=lambda s: (_holdout_rank(s, training.seed), s))
-    held = [s for s in ranked if is_holdout(s, training.holdout_fraction, training.seed)]
+    from eagle_assets.conversation.walk import conversation_id
+
+    conversation = {s: conversation_id(s) for s in sample_ids}
+    ranked = sorted(set(conversation.values()), key=lambda c: (_holdout_rank(c, training.seed), c))
+    held = [c for c in ranked if is_holdout(c, training.holdout_fraction, training.seed)]
     if training.holdout_rows is not None:
         held = held[: training.holdout_rows]
     n_val = min(training.validation_rows, len(held) // 2)
-    out = {s: "train" for s in sample_ids}
-    out.update({s: "test" for s in held[: len(held) - n_val]})
-    out.update({s: "validation" for s in held[len(held) - n_val:]})
-    return out
+    split = {c: "test" for c in held[: len(held) - n_val]}
+    split.update({c: "validation" for c in held[len(held) - n_val:]})
+    return {s: split.get(conversation[s], "train") for s in sample_ids}
 
 
 def _read_qc_shards(directory, columns: list[str]):
@@ -303,14 +308,11 @@ def build_training_assets() -> list:
         features = resolve_features(t.features, model_dir, out / "features", t.aux_layer_ids, t.max_length,
                                     lambda capture: sglang.base_urls(str(model_dir), aux_capture=capture),
                                     sglang.api_key_env)
-        if features.source == "served" and t.launcher == "torchrun":
-            raise dg.Failure(description="training.features.source: served runs with training.launcher: "
-                             "inline; the torchrun launcher does not pass served features to its ranks yet")
         if t.launcher == "torchrun":  # data-parallel processes through Dagster Pipes (assets/torchrun_launch.py)
             from eagle_assets.assets.torchrun_launch import train_with_torchrun
 
             result = train_with_torchrun(context, model_dir, train_rows, val_rows, vocab_dir, config, out,
-                                         t.nproc_per_node)
+                                         t.nproc_per_node, features=features)
         else:
             result = train_drafter(model_dir, train_rows, vocab, config, out / "checkpoint",
                                    log=_bounded_log(context.log.info), state_dir=out / "train_state",
@@ -359,27 +361,42 @@ def build_training_assets() -> list:
         except CheckpointError as exc:
             yield dg.AssetCheckResult(check_name="export_contract", passed=False,
                                       severity=dg.AssetCheckSeverity.ERROR, description=str(exc))
-        target_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+        served = None
+        if features.source == "served":
+            # the target does not fit here: its config and embedding only; every feature, greedy id, re-run and
+            # unseen-source generation is a request to the features server(s)
+            from eagle_assets.drafter.feature_source import ServedFeatures
+
+            served = ServedFeatures(model_dir, features, context.log.info)
+            target_model = served.target
+        else:
+            target_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
         drafter, _ = load_drafter(ckpt, target_model)
+        capture = list(drafter.config.aux_capture_ids)
+        acceptance_rows = (lambda rows: served.acceptance_rows(rows, capture, vocab)) if served else None
         groups = {key: [(ids, mask) for _s, ids, mask, k in held if k == key] for key in keys}
         missing = [k for k, g in groups.items() if not g]
         started = time.perf_counter()
         with torch_threads(t.threads):
             heldout = evaluate_groups(target_model, drafter, vocab, {k: g for k, g in groups.items() if g},
-                                      k=t.acceptance_k, max_positions=t.acceptance_max_positions)
+                                      k=t.acceptance_k, max_positions=t.acceptance_max_positions,
+                                      acceptance_rows=acceptance_rows)
             unseen, unseen_note = None, None
             if t.unseen_eval is not None:
                 try:
                     unseen_rows = unseen_eval_rows(settings, target_model, model_dir, out / "unseen_eval",
-                                                   context.log.info)
+                                                   context.log.info, served_client=served.generate_client(capture) if served else None)
                 except (CatalogError, FormatError) as exc:
                     # A missing or unreadable eval source costs the second figure, never the checkpoint.
                     unseen_note = f"unseen-source figure skipped: {exc}"
                     context.log.warning(unseen_note)
                 else:
                     unseen = evaluate_groups(target_model, drafter, vocab, {"unseen": unseen_rows},
-                                             k=t.acceptance_k, max_positions=t.acceptance_max_positions)
+                                             k=t.acceptance_k, max_positions=t.acceptance_max_positions,
+                                             acceptance_rows=acceptance_rows)
                     unseen = unseen.groups["unseen"]
+        if served is not None and served.source is not None:
+            context.log.info(f"acceptance from served features: {served.source.stats.to_dict()}")
         context.log.info(f"acceptance simulated in {time.perf_counter() - started:.1f}s")
         yield acceptance_check(t, heldout, unseen, missing, acceptance_png, unseen_note)
 
@@ -498,13 +515,19 @@ def acceptance_check(t, heldout, unseen, missing: list[str], png_fn, unseen_note
     )
 
 
-def unseen_eval_rows(settings: PipelineSettings, target_model, model_dir: Path, cache_dir: Path, log) -> list:
+def unseen_eval_rows(settings: PipelineSettings, target_model, model_dir: Path, cache_dir: Path, log,
+                     served_client=None) -> list:
     """Rows for the unseen-source figure: the catalog's ``training.unseen_eval`` prompts, rendered with the target's
-    chat template and decoded greedily by the local target (:func:`~eagle_assets.drafter.evaluation.greedy_rows`).
+    chat template and decoded greedily by the local target (:func:`~eagle_assets.drafter.evaluation.greedy_rows`),
+    or, with ``served_client`` (a ``GenerateClient`` of the server serving the target: ``training.features:
+    served``), by that server's ``/generate`` at temperature 0 (:func:`~eagle_assets.drafter.evaluation.
+    served_greedy_rows`; ``target_model`` is then not run). Prompts the server refuses are skipped and logged.
 
     Cached in ``cache_dir/rows.parquet`` under a key of (prompt ids, max_new_tokens, stop ids, the target's weight
-    files' names, sizes and mtimes): a rerun on the same target and prompts generates nothing. Prompts the renderer
-    rejects are skipped and logged.
+    files' names, sizes and mtimes): a rerun on the same target and prompts generates nothing, whichever of the two
+    decoded them (both are the target's greedy rows; the simulation re-runs the target wherever a draft leaves a
+    row, so a near-tie decoded differently does not change what tau measures). Prompts the renderer rejects are
+    skipped and logged.
     """
     import pyarrow as pa
 
@@ -541,8 +564,18 @@ def unseen_eval_rows(settings: PipelineSettings, target_model, model_dir: Path, 
         return [(np.asarray(i, dtype=np.int32), np.asarray(m, dtype=np.int8))
                 for i, m in zip(t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist())]
     started = time.perf_counter()
-    rows = greedy_rows(target_model, prompts, spec.max_new_tokens, profile.stop_ids)
-    log(f"unseen_eval: {len(rows)} rows generated greedily by the target in {time.perf_counter() - started:.1f}s")
+    if served_client is not None:
+        from eagle_assets.drafter.evaluation import served_greedy_rows
+
+        rows, failed = served_greedy_rows(served_client, prompts, spec.max_new_tokens, profile.stop_ids,
+                                          vocab_size=target_vocab_size(model_dir))
+        if failed:
+            log(f"unseen_eval: {sum(failed.values())} prompts got no generation from the server ({dict(failed)})")
+        by = f"the server ({', '.join(served_client.urls)})"
+    else:
+        rows = greedy_rows(target_model, prompts, spec.max_new_tokens, profile.stop_ids)
+        by = "the target"
+    log(f"unseen_eval: {len(rows)} rows generated greedily by {by} in {time.perf_counter() - started:.1f}s")
     cache_dir.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pylist([{"input_ids": i.tolist(), "loss_mask": m.tolist()} for i, m in rows],
                                  schema=pa.schema([("input_ids", pa.list_(pa.int32())),

@@ -67,9 +67,10 @@ def qc_by_turn(rows_file: Path, turns_file: Path, threads: int | None = None) ->
     con = _connect(threads)
     try:
         result = con.execute(
-            f"""SELECT t.thinking, t.turn, r.drop_reason, count(*) FROM read_parquet('{Path(rows_file)}') r
-                JOIN read_parquet('{Path(turns_file)}') t ON r.sample_id = t.row_id
-                GROUP BY t.thinking, t.turn, r.drop_reason ORDER BY t.thinking, t.turn""").fetchall()
+            """SELECT t.thinking, t.turn, r.drop_reason, count(*) FROM read_parquet($rows) r
+               JOIN read_parquet($turns) t ON r.sample_id = t.row_id
+               GROUP BY t.thinking, t.turn, r.drop_reason ORDER BY t.thinking, t.turn""",
+            {"rows": str(rows_file), "turns": str(turns_file)}).fetchall()
     finally:
         con.close()
     out: dict[str, dict[str, Any]] = {}

@@ -68,10 +68,23 @@ def turn_row_id(sample_id: str, mode: str, turn: int) -> str:
     return f"{sample_id}:{mode}:{turn}"
 
 
+def conversation_id(row_id: str) -> str:
+    """The sample id a generations / QC row belongs to: the inverse of :func:`turn_row_id` for a turn row (every
+    turn and both thinking modes of one conversation share it), the row id itself for a single-turn row."""
+    head, sep, turn = row_id.rpartition(":")
+    if sep and turn.isdigit():
+        sample_id, sep, mode = head.rpartition(":")
+        if sep and mode in _MODES:
+            return sample_id
+    return row_id
+
+
 def first_turn_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages before the dataset's first assistant message: turn 1's prompt (system, user 1)."""
-    for i, m in enumerate(messages):
-        if m.get("role") == "assistant":
+    """Turn 1's prompt: the messages before the dataset's first assistant message after its first user turn
+    (system, user 1; an assistant greeting before the first user turn stays, as the dataset wrote it)."""
+    first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), len(messages))
+    for i in range(first_user, len(messages)):
+        if messages[i].get("role") == "assistant":
             return copy.deepcopy(messages[:i])
     return copy.deepcopy(messages)
 

@@ -144,6 +144,25 @@ def completion_segments(loss_mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), ends.tolist()))
 
 
+def walkable(row, vocab_size: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]] | str:
+    """``(input_ids int64 [T], loss_mask [T], completion segments)`` of a row :func:`simulate_acceptance` walks, or
+    why it does not: a reason for a malformed row, ``""`` for a well-formed one without a segment to draft in (a
+    completion run of >= 2 tokens after the first position). Feature sources that fetch rows ahead of the walk
+    (``feature_source.ServedAcceptanceFeatures``) use it to ask only for rows the walk will read."""
+    try:
+        ids_np = np.asarray(row[0], dtype=np.int64)
+        mask_np = np.asarray(row[1])
+        malformed = len(row) != 2 or ids_np.ndim != 1 or ids_np.shape != mask_np.shape or ids_np.size < 3
+    except (TypeError, ValueError, IndexError, KeyError):
+        malformed = True
+    if malformed:
+        return "need (input_ids, loss_mask), 1-D, equal length, >= 3 tokens"
+    if ids_np.min() < 0 or ids_np.max() >= vocab_size:
+        return f"token id outside [0, {vocab_size})"
+    segments = [(s, e) for s, e in completion_segments(mask_np) if s >= 1 and e - s >= 2]
+    return (ids_np, mask_np, segments) if segments else ""
+
+
 @torch.no_grad()
 def simulate_acceptance(
     target_model: nn.Module,
@@ -166,7 +185,8 @@ def simulate_acceptance(
         max_positions: stop after this many verifications in total (None = no cap).
         features: a dict kept by the caller across calls on the same rows and target: the target's aux hidden
             states ``[1, T, 3H]`` and greedy ids ``[T]`` of row ``i`` are stored under ``i`` on first use and
-            reused after (the target is frozen; only the drafter changes between calls).
+            reused after (the target is frozen; only the drafter changes between calls). A mapping whose value for
+            a row is None (a served row the server refused) skips that row with a note.
         greedy_next: the target's greedy token after a prefix (int64 ``[n]``), for the exact re-runs once a draft
             leaves the row; None = a forward of ``target_model``. With it and ``features`` holding every row (e.g.
             features served by SGLang, ``eagle_assets.drafter.served_features``), ``target_model`` is never run.
@@ -200,26 +220,19 @@ def simulate_acceptance(
     for row_index, row in enumerate(rows):
         if len(lengths) >= budget:
             break
-        try:
-            ids_np = np.asarray(row[0], dtype=np.int64)
-            mask_np = np.asarray(row[1])
-            malformed = len(row) != 2 or ids_np.ndim != 1 or ids_np.shape != mask_np.shape or ids_np.size < 3
-        except (TypeError, ValueError, IndexError, KeyError):
-            malformed = True
-        if malformed:
-            notes.append(
-                f"row {row_index}: skipped (need (input_ids, loss_mask), 1-D, equal length, >= 3 tokens)"
-            )
+        walk = walkable(row, vocab_size)
+        if isinstance(walk, str):
+            if walk:
+                notes.append(f"row {row_index}: skipped ({walk})")
             continue
-        if ids_np.min() < 0 or ids_np.max() >= vocab_size:
-            notes.append(f"row {row_index}: skipped (token id outside [0, {vocab_size}))")
-            continue
-        segments = [(s, e) for s, e in completion_segments(mask_np) if s >= 1 and e - s >= 2]
-        if not segments:
-            continue
+        ids_np, _mask_np, segments = walk
         ids = torch.from_numpy(ids_np)
         if features is not None and row_index in features:
-            aux, greedy = features[row_index]
+            got = features[row_index]
+            if got is None:  # the feature source has none for this row (a served row the server refused)
+                notes.append(f"row {row_index}: skipped (no target features for it)")
+                continue
+            aux, greedy = got
         else:
             aux, final = run_target(target_model, ids, capture)
             greedy = head_argmax(target_model, final[0]).numpy()

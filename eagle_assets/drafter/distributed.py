@@ -104,6 +104,14 @@ class DataParallel:
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
+    def all_gather(self, value: T) -> list[T]:
+        """Every rank's picklable ``value``, in rank order (``all_gather_object``); ``[value]`` for one process."""
+        if self.world == 1:
+            return [value]
+        out: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(out, value)
+        return out
+
     def main_first(self, fn: Callable[[], None]) -> None:
         """``fn()`` on rank 0, then on the other ranks (all at once), then every rank goes on together: for steps
         with side effects on shared files that rank 0 must settle first (loading or clearing a training state)."""

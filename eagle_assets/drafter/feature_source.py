@@ -10,7 +10,10 @@
   (:class:`~eagle_assets.drafter.served_features.ServedFeatureSource` +
   :class:`~eagle_assets.drafter.served_features.ServedFeatureCache`); the learning curve's simulated acceptance
   reads the target's greedy ids from the same replies and asks the server for the exact re-runs (one
-  ``max_new_tokens: 1`` request each). docs/served_features.md describes the protocol and the costs.
+  ``max_new_tokens: 1`` request each). The ``acceptance_length`` check and the unseen-source rows use the same
+  server (:meth:`ServedFeatures.acceptance_rows`, :class:`ServedAcceptanceFeatures`,
+  :meth:`ServedFeatures.generate_client`), and in a ``torchrun`` run each rank fetches only the rows it trains on
+  (:meth:`ServedFeatures.admit`). docs/served_features.md describes the protocol and the costs.
 
 Both give the trainer the same things: the target's depth, embedding and config, the rows it may train on
 (``admit``: a served row whose reply was refused is left out and counted in the skip reasons as
@@ -77,7 +80,7 @@ class LocalFeatures:
                 bias.detach()[draft_ids].float() if bias is not None else None)
 
     def admit(self, rows: list[PreparedRow], reasons: dict[str, int], split: str, capture: list[int],
-              vocab: DraftVocab) -> list[PreparedRow]:
+              vocab: DraftVocab, **_parallel: Any) -> list[PreparedRow]:
         """Every row has local features."""
         return rows
 
@@ -93,6 +96,10 @@ class LocalFeatures:
         """Nothing beyond the target's parameters (the fingerprint of today's states stays the same)."""
         return {}
 
+    def describe(self, cached: bool) -> str:
+        """Where the features come from, for the trainer's startup line."""
+        return f"computed by the target in this process ({'cached' if cached else 'recomputed per batch'})"
+
 
 class _NoRows:
     """Features of an empty split (no validation rows)."""
@@ -102,6 +109,45 @@ class _NoRows:
 
     def get(self, batch: list[int]) -> list:
         return []
+
+
+class _Elsewhere:
+    """The features of a split another rank holds (a data-parallel run's validation rows: rank 0 scores them)."""
+
+    cache = None
+
+    def __init__(self, why: str):
+        self.why = why
+        self.rows: list = []
+
+    def get(self, batch: list[int]) -> list:
+        raise ValueError(f"this rank holds no features for these rows: {self.why}")
+
+
+class _OwnedRows:
+    """A data-parallel rank's view of the kept training rows: ``get(batch)`` for the rows it owns (indices into
+    the kept rows), read from the :class:`~eagle_assets.drafter.served_features.ServedFeatureCache` of the round
+    that fetched each (one ``get`` per cache a batch touches)."""
+
+    cache = None
+
+    def __init__(self, where: dict[int, tuple[Any, int]]):
+        self.where = where
+        self.rows: list = []
+
+    def get(self, batch: Sequence[int]) -> list:
+        missing = [i for i in batch if i not in self.where]
+        if missing:
+            raise KeyError(f"rows {missing} are not this rank's: it fetched only the rows it trains on")
+        by_cache: dict[int, list[int]] = {}
+        for i in batch:
+            by_cache.setdefault(id(self.where[i][0]), []).append(i)
+        got: dict[int, Any] = {}
+        for members in by_cache.values():
+            cache = self.where[members[0]][0]
+            for i, f in zip(members, cache.get([self.where[i][1] for i in members])):
+                got[i] = f
+        return [got[i] for i in batch]
 
 
 class ServedTarget(nn.Module):
@@ -178,14 +224,20 @@ class ServedFeatures:
         return self.source
 
     def admit(self, rows: list[PreparedRow], reasons: dict[str, int], split: str, capture: list[int],
-              vocab: DraftVocab) -> list[PreparedRow]:
+              vocab: DraftVocab, parallel: Any = None, batch_tokens: int | None = None) -> list[PreparedRow]:
         """Fetch (or read from the shard cache) the features of ``rows``; rows the server's replies were refused
         for are left out and counted in ``reasons`` as ``served_<reason>``. ``cache: none`` fetches nothing here
-        (a refused row then stops training when its batch comes)."""
+        (a refused row then stops training when its batch comes).
+
+        In a data-parallel run (``parallel.world > 1``; every rank calls this with the same rows) each rank fetches
+        only the rows it trains on (:meth:`_admit_parallel`) and only rank 0, which scores them, the validation rows;
+        the ranks agree on the refused rows, so every rank keeps the same rows and builds the same batches."""
         from eagle_assets.drafter.served_features import ServedFeatureCache
 
         if not rows:
             return rows
+        if parallel is not None and parallel.world > 1 and self.spec.cache != "none":
+            return self._admit_parallel(rows, reasons, split, capture, vocab, parallel, batch_tokens)
         cache = ServedFeatureCache(rows, self._source(capture), self.spec.cache, vocab.draft_token_ids,
                                    vocab.target_vocab_size, cache_dir=self.spec.cache_dir)
         self.draft_index = cache.draft_index
@@ -201,14 +253,80 @@ class ServedFeatures:
         self.views[split] = view
         return kept
 
+    def _fetch(self, rows: list[PreparedRow], indices: list[int], capture: list[int], vocab: DraftVocab):
+        """``(ServedFeatureCache of rows[indices], {index into rows: reason} of the refused ones)``."""
+        from eagle_assets.drafter.served_features import ServedFeatureCache
+
+        cache = ServedFeatureCache([rows[i] for i in indices], self._source(capture), self.spec.cache,
+                                   vocab.draft_token_ids, vocab.target_vocab_size, cache_dir=self.spec.cache_dir)
+        self.draft_index = cache.draft_index
+        return cache, {indices[pos]: why for pos, why in cache.refused.items()}
+
+    def _admit_parallel(self, rows: list[PreparedRow], reasons: dict[str, int], split: str, capture: list[int],
+                        vocab: DraftVocab, parallel: Any, batch_tokens: int | None) -> list[PreparedRow]:
+        """:meth:`admit` on one rank of a data-parallel run.
+
+        Training rows: which rows a rank trains on depends on the batches, and the batches on which rows are kept
+        (``make_batches`` over the kept rows, then ``DataParallel.shard`` of each), so admission goes in rounds:
+        every rank fetches the rows it owns under the batches of the rows kept so far and not fetched by it yet,
+        the ranks exchange the rows refused in that round (``all_gather``), and when any was refused the batches
+        are rebuilt without them and the round repeats. Without refusals that is one round in which each row is
+        fetched once, by its owner; each refusal can move rows to another rank, which then fetches them too (a
+        request more per moved row). Validation rows: rank 0 fetches them all and sends the refused ones.
+        """
+        from eagle_assets.drafter.feature_cache import make_batches
+
+        refused: dict[int, str] = {}
+        if split != "train":
+            cache = got = None
+            if parallel.is_main:
+                cache, got = self._fetch(rows, list(range(len(rows))), capture, vocab)
+            refused = parallel.from_main(lambda: got)
+            kept_idx = [i for i in range(len(rows)) if i not in refused]
+            view: Any = (cache.subset([i for i in kept_idx]) if cache is not None
+                         else _Elsewhere("validation rows are scored by rank 0"))
+        else:
+            if batch_tokens is None:
+                raise ValueError("a data-parallel run's served admission needs batch_tokens")
+            held: dict[int, tuple[Any, int]] = {}
+            while True:
+                kept_idx = [i for i in range(len(rows)) if i not in refused]
+                batches = make_batches([rows[i] for i in kept_idx], batch_tokens)
+                todo = [kept_idx[j] for j in parallel.owned_rows(batches) if kept_idx[j] not in held]
+                new: dict[int, str] = {}
+                if todo:
+                    cache, new = self._fetch(rows, todo, capture, vocab)
+                    held.update({i: (cache, pos) for pos, i in enumerate(todo) if i not in new})
+                merged = {i: why for part in parallel.all_gather(new) for i, why in part.items()}
+                if not merged:
+                    break
+                refused.update(merged)
+            kept_idx = [i for i in range(len(rows)) if i not in refused]
+            view = _OwnedRows({n: held[i] for n, i in enumerate(kept_idx) if i in held})
+            fetched = int(parallel.all_sum([len(held)])[0])
+            self.log(f"served features: {fetched} of {len(rows)} {split} rows fetched over {parallel.world} ranks, "
+                     "each by the rank that trains on it")
+        if self.draft_index is None:
+            from eagle_assets.drafter.served_features import target_to_draft_index
+
+            self.draft_index = target_to_draft_index(vocab.draft_token_ids, vocab.target_vocab_size)
+        for why in refused.values():
+            reasons[f"served_{why}"] = reasons.get(f"served_{why}", 0) + 1
+        if refused:
+            self.log(f"served features: {len(refused)} of {len(rows)} {split} rows refused; they are left out")
+        kept = [rows[i] for i in kept_idx]
+        view.rows = kept  # the very list the trainer keeps, so feature_cache() finds this view by it
+        self.views[split] = view
+        return kept
+
     def teacher(self, draft_ids: torch.Tensor) -> tuple[None, None]:
         """No lm_head here: the teacher comes with the served features."""
         return None, None
 
     def feature_cache(self, target: Any, capture: list[int], rows: list[PreparedRow], cache: bool,
                       batch_tokens: int, **_parallel: Any):
-        """The :class:`ServedFeatureCache` view :meth:`admit` fetched for ``rows`` (the same list object; the
-        trainer's data-parallel row ownership does not matter: every rank holds the views of all rows)."""
+        """The view :meth:`admit` fetched for ``rows`` (the same list object): a :class:`ServedFeatureCache` of
+        every kept row, or in a data-parallel run of the rows this rank owns (``only`` is then already applied)."""
         for view in self.views.values():
             if view.rows is rows:
                 return view
@@ -227,26 +345,31 @@ class ServedFeatures:
     def acceptance_features(self, split: str) -> dict[int, tuple[torch.Tensor, np.ndarray]]:
         """``{row: (aux [1, T, W], target greedy ids [T])}`` of an admitted split, for ``simulate_acceptance``."""
         view = self.views.get(split)
-        if view is None:
+        if view is None or isinstance(view, _Elsewhere):
             return {}
         return {i: (f.aux_hidden.unsqueeze(0), f.target_greedy)
                 for i in range(len(view.rows)) for _aux, f, _g in view.get([i])}
 
     def acceptance_rows(self, rows: Sequence, capture: list[int], vocab: DraftVocab):
-        """``(rows with served features, simulate_acceptance keyword arguments)`` for evaluation rows; rows the
-        server refused are left out."""
-        from eagle_assets.drafter.served_features import RefusedRow, served_features
+        """``(rows, simulate_acceptance keyword arguments)`` for evaluation rows (held-out test rows, unseen-source
+        rows): their aux hidden states and the target's greedy ids come from the server as
+        :class:`ServedAcceptanceFeatures` (fetched as the walk reaches them, a window at a time), the exact re-runs
+        off a row are :meth:`greedy_next` requests, so the target never runs here. Rows the server refuses are
+        skipped by the walk with a note (their reasons in the mapping's ``refused``)."""
+        rows = list(rows)
+        source = self._source(capture)
+        window = self.spec.concurrency * max(1, len(source.urls))
+        features = ServedAcceptanceFeatures(rows, source, vocab.target_vocab_size, window)
+        return rows, {"features": features, "greedy_next": self.greedy_next}
 
-        kept, features = [], {}
-        for row, got in zip(rows, served_features(list(rows), self._source(capture))):
-            if isinstance(got, RefusedRow):
-                continue
-            features[len(kept)] = (got.aux_hidden.unsqueeze(0), got.target_greedy)
-            kept.append(row)
-        return kept, {"features": features, "greedy_next": self.greedy_next}
+    def generate_client(self, capture: list[int]):
+        """The serving client (``GenerateClient``) of the features server(s), for plain ``/generate`` requests
+        (the unseen-source rows); the server is checked for ``capture`` on its first feature request."""
+        return self._source(capture).client
 
     def greedy_next(self, prefix: np.ndarray) -> int:
-        """The served target's greedy token after ``prefix`` (one ``max_new_tokens: 1`` request)."""
+        """The served target's greedy token after ``prefix`` (one ``max_new_tokens: 1`` request; called by the
+        acceptance walk after :meth:`admit` or :meth:`acceptance_rows` created the source)."""
         from eagle_assets.serving.protocol import GenerateFailure, SamplingParams
 
         client = self.source.client
@@ -257,12 +380,71 @@ class ServedFeatures:
                                f"({reply.kind}: {reply.last_error})")
         return int(reply.output_ids[0])
 
+    def describe(self, cached: bool) -> str:
+        """Where the features come from, for the trainer's startup line."""
+        where = f" at {self.spec.cache_dir}" if self.spec.cache == "disk" else ""
+        return (f"served by {', '.join(self.spec.urls)} (aux-capture mode, {self.spec.teacher} teacher, "
+                f"cache {self.spec.cache}{where})")
+
     def fingerprint(self) -> dict[str, Any]:
         """What a resumed state must share besides the embedding: the served feature spec (layers, teacher, K)."""
         spec = self.source.spec if self.source is not None else None
         return {"features": {"source": "served", "teacher": self.spec.teacher,
                              "top_k": spec.top_k if spec else None,
                              "capture_ids": list(spec.capture_ids) if spec else None}}
+
+
+class ServedAcceptanceFeatures:
+    """``{row index: (aux float32 [1, T, W], target greedy ids int64 [T]) | None}`` of evaluation rows for
+    :func:`~eagle_assets.drafter.acceptance.simulate_acceptance`, fetched from the server as the walk reaches them.
+
+    Reading row ``i`` fetches it together with the next rows the walk will read
+    (:func:`~eagle_assets.drafter.acceptance.walkable`), ``window`` rows in one go (the source's concurrency x
+    servers); rows already walked are dropped, so at most ``window`` rows' features are held (at Kimi-K2.5's
+    3H = 21,504 float32 values, 86 KB per token), and a walk stopped by ``max_positions`` leaves later rows
+    unfetched (at most ``window - 1`` fetched for nothing). A row whose reply was refused reads as None (the walk
+    skips it) and is listed in :attr:`refused` (index -> reason). The greedy ids are the argmax of each position's
+    served top-K (``RowFeatures.target_greedy``; K = 1 for the hard teacher is that argmax).
+
+    Raises (on read):
+        ServedFeaturesError: the server cannot give features at all.
+    """
+
+    def __init__(self, rows: Sequence, source: Any, vocab_size: int, window: int):
+        self.rows, self.source, self.vocab_size, self.window = rows, source, vocab_size, max(1, int(window))
+        self.refused: dict[int, str] = {}
+        self.fetched = 0
+        self._held: dict[int, Any] = {}
+
+    def __contains__(self, index: object) -> bool:
+        return isinstance(index, int) and 0 <= index < len(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, np.ndarray] | None:
+        from eagle_assets.drafter.acceptance import walkable
+        from eagle_assets.drafter.served_features import RefusedRow
+
+        if index not in self:
+            raise KeyError(index)
+        if index in self.refused:
+            return None
+        if index not in self._held:
+            self._held.clear()  # the walk goes forward: what it read before is not read again
+            batch = [index] + [j for j in range(index + 1, len(self.rows))
+                               if not isinstance(walkable(self.rows[j], self.vocab_size), str)][: self.window - 1]
+            items = [(str(j), np.asarray(self.rows[j][0], dtype=np.int64), np.asarray(self.rows[j][1]))
+                     for j in batch]
+            for j, got in zip(batch, self.source.fetch(items)):
+                self.fetched += 1
+                if isinstance(got, RefusedRow):
+                    self.refused[j] = f"{got.reason}: {got.detail}"
+                else:
+                    self._held[j] = (got.aux_hidden.unsqueeze(0), got.target_greedy)
+            if index in self.refused:
+                return None
+        return self._held.pop(index)
 
 
 def resolve_features(spec: Any, model_dir: Path, default_cache_dir: Path, capture_ids: Sequence[int] | None,

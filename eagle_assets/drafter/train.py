@@ -34,7 +34,7 @@ from eagle_assets.drafter.distributed import DataParallel
 from eagle_assets.drafter.export import CheckpointReport, export_checkpoint
 from eagle_assets.drafter.feature_cache import FeatureCache, PreparedRow, cache_bytes, make_batches, pad, prepare_rows
 from eagle_assets.drafter.feature_source import feature_source
-from eagle_assets.drafter.features import aux_layer_ids, decoder_parts
+from eagle_assets.drafter.features import aux_layer_ids
 from eagle_assets.drafter.learning_curve import CurvePoint, EarlyStopping, StepMetrics
 from eagle_assets.drafter.model import DrafterConfig, Eagle3DraftModel
 from eagle_assets.drafter.recipe import (
@@ -54,7 +54,7 @@ from eagle_assets.drafter.train_state import (
     restore_tensors,
     state_tensors,
 )
-from eagle_assets.drafter.ttt_loss import drafter_rows, supervision, teacher_positions, ttt_loss
+from eagle_assets.drafter.ttt_loss import drafter_rows, teacher_positions, ttt_loss
 from eagle_assets.drafter.vocab import DraftVocab
 
 Row = tuple[np.ndarray, np.ndarray]
@@ -283,14 +283,16 @@ class _Run:
             )
         self.capture = aux_layer_ids(self.source.num_layers, config.aux_layer_ids)
         self.rows, self.reasons, self.truncated = prepare_rows(rows, vocab_size, config.max_length)
-        self.rows = self.source.admit(self.rows, self.reasons, "train", self.capture, draft_vocab)
+        self.rows = self.source.admit(self.rows, self.reasons, "train", self.capture, draft_vocab,
+                                      parallel=self.parallel, batch_tokens=config.batch_tokens)
         if not self.rows:
             raise ValueError(
                 f"no usable training row (skipped: {self.reasons or 'none given'}); rows need input_ids within the "
                 "target vocab and at least one completion token after the first position"
             )
         self.validation, _, _ = prepare_rows(validation, vocab_size, config.max_length)
-        self.validation = self.source.admit(self.validation, {}, "validation", self.capture, draft_vocab)
+        self.validation = self.source.admit(self.validation, {}, "validation", self.capture, draft_vocab,
+                                            parallel=self.parallel)
         self.notes = list(draft_vocab.notes)
         self.batches = make_batches(self.rows, config.batch_tokens)
         self.plan = plan_steps([sum(self.rows[i].ids.size for i in b) for b in self.batches], config)
@@ -303,7 +305,7 @@ class _Run:
             f"{self.plan.total_steps} steps ({self.plan.epochs:.2f} epochs, limited by {self.plan.limited_by}), "
             f"{len(self.validation)} validation rows, aux capture ids {self.capture} (config layer ids "
             f"{[c - 1 for c in self.capture]}), draft vocab {draft_vocab.draft_vocab_size}/{vocab_size}, "
-            f"features {'cached' if use_cache else 'recomputed per batch'}"
+            f"features {self.source.describe(use_cache)}"
         )
 
         self.dtype_name = config.export_dtype or _stored_dtype(target_dir, self.target.config)

@@ -17,6 +17,10 @@ directory's file):
 - ``draft_vocab/`` / ``--draft-vocab DIR``: ``d2t.npy``, ``t2d.npy`` (and ``token_counts.npy``), as the
   ``draft_vocab`` asset writes them.
 - ``config.json`` / ``--config FILE``: :class:`~eagle_assets.drafter.recipe.TrainConfig` fields as JSON.
+- ``features.json`` / ``--features FILE`` (optional): the catalog's ``training.features``
+  (:class:`~eagle_assets.catalog.FeaturesSpec` as JSON, its ``url`` resolved); absent = ``local`` (every rank loads
+  the target). With ``served`` no rank loads the target: each fetches from the server only the features of the
+  rows it trains on (``ServedFeatures.admit``), and rank 0 those of the validation rows.
 
 Every rank reads the same inputs and joins the job (:func:`~eagle_assets.drafter.distributed.from_environment`:
 gloo on CPU); rank 0 logs, writes the training state, exports the checkpoint with its ``training_metrics.json`` to
@@ -41,7 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 TRAIN_FILE, VALIDATION_FILE = "train.parquet", "validation.parquet"
-CONFIG_FILE, VOCAB_DIR = "config.json", "draft_vocab"
+CONFIG_FILE, VOCAB_DIR, FEATURES_FILE = "config.json", "draft_vocab", "features.json"
 VOCAB_FILES = ("d2t.npy", "t2d.npy", "token_counts.npy")
 ROW_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
 
@@ -53,7 +57,7 @@ class InputError(ValueError):
 
 
 def write_training_inputs(path: str | Path, rows: Sequence[Row], validation: Sequence[Row], config: Any,
-                          vocab_dir: str | Path) -> Path:
+                          vocab_dir: str | Path, features: Any = None) -> Path:
     """Write a training-input directory for :func:`main`.
 
     Args:
@@ -61,6 +65,8 @@ def write_training_inputs(path: str | Path, rows: Sequence[Row], validation: Seq
         rows / validation: ``(input_ids int32 [T], loss_mask int8 [T])`` in training order.
         config: a :class:`~eagle_assets.drafter.recipe.TrainConfig`.
         vocab_dir: holds ``d2t.npy``, ``t2d.npy`` (and ``token_counts.npy``); copied in.
+        features: the resolved ``catalog.FeaturesSpec`` (written as ``features.json``); None or ``local`` = none
+            written (and a stale one removed).
     """
     from eagle_assets.storage import write_json_atomic, write_parquet_atomic
 
@@ -71,6 +77,10 @@ def write_training_inputs(path: str | Path, rows: Sequence[Row], validation: Seq
                                       for i, m in part], schema=ROW_SCHEMA)
         write_parquet_atomic(table, out / name)
     write_json_atomic(asdict(config), out / CONFIG_FILE)
+    if features is not None and features.source != "local":
+        write_json_atomic(features.model_dump(mode="json"), out / FEATURES_FILE)
+    else:
+        (out / FEATURES_FILE).unlink(missing_ok=True)
     for name in VOCAB_FILES:
         src = Path(vocab_dir) / name
         if src.exists():
@@ -129,6 +139,23 @@ def read_draft_vocab(path: str | Path):
     return draft_vocab_from_arrays(np.load(d / "d2t.npy"), np.load(d / "t2d.npy"), counts)
 
 
+def read_features(path: str | Path):
+    """The ``catalog.FeaturesSpec`` of a JSON file (:func:`write_training_inputs`).
+
+    Raises:
+        InputError: unreadable, or not a valid ``training.features`` object.
+    """
+    from pydantic import ValidationError
+
+    from eagle_assets.catalog import FeaturesSpec
+
+    try:
+        return FeaturesSpec.model_validate(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, ValidationError) as exc:
+        raise InputError(f"features file {path} is unusable ({exc}); pass a JSON object of training.features "
+                         "fields") from exc
+
+
 def train_result_from_dict(raw: dict[str, Any]):
     """A :class:`~eagle_assets.drafter.train.TrainResult` read back from its ``training_metrics.json``
     (``TrainResult.to_dict``); its ``checkpoint`` report is re-validated from the checkpoint directory."""
@@ -174,6 +201,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--validation-rows", nargs="*", help="Parquet files of validation rows")
     p.add_argument("--draft-vocab", help="directory with d2t.npy and t2d.npy")
     p.add_argument("--config", help="JSON file of TrainConfig fields")
+    p.add_argument("--features", help="JSON file of training.features (FeaturesSpec; default: local, or the "
+                   "--inputs directory's features.json)")
     p.add_argument("--out", required=True, help="checkpoint directory to export (replaced)")
     p.add_argument("--state-dir", help="resumable training state (outside --out; shared by every rank)")
     p.add_argument("--backend", choices=("gloo", "nccl"), help="torch.distributed backend (default: gloo on CPU)")
@@ -196,9 +225,12 @@ def _inputs(args: argparse.Namespace):
         val_paths = args.validation_rows
     else:
         val_paths = [base / VALIDATION_FILE] if base is not None and (base / VALIDATION_FILE).exists() else []
+    features_path = args.features or (base / FEATURES_FILE if base is not None and (base / FEATURES_FILE).exists()
+                                      else None)
     return (read_rows(rows_paths), read_rows(val_paths),
             read_draft_vocab(pick(args.draft_vocab, "--draft-vocab", VOCAB_DIR)),
-            read_config(pick(args.config, "--config", CONFIG_FILE)))
+            read_config(pick(args.config, "--config", CONFIG_FILE)),
+            read_features(features_path) if features_path else None)
 
 
 def _step_limited(log: Callable[[str], None], every_s: float) -> Callable[[str], None]:
@@ -239,12 +271,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             def log(line: str) -> None:
                 print(prefix + line, flush=True)
         emit = _step_limited(log, args.log_every_s) if parallel.is_main else (lambda _line: None)
-        rows, validation, vocab, config = _inputs(args)
+        rows, validation, vocab, config, features = _inputs(args)
         emit(f"data-parallel training on {parallel.world} process(es), backend {parallel.backend or 'none'}; "
              f"{len(rows)} rows, {len(validation)} validation rows; torch threads "
-             f"{config.num_threads or torch.get_num_threads()} per process")
+             f"{config.num_threads or torch.get_num_threads()} per process; features "
+             f"{features.source if features is not None else 'local'}")
         result = train_drafter(args.target, rows, vocab, config, Path(args.out), log=emit, state_dir=args.state_dir,
-                               validation_rows=validation, parallel=parallel)
+                               validation_rows=validation, parallel=parallel, features=features)
         if result is not None:
             summary = {"checkpoint": str(result.checkpoint_dir), "world_size": parallel.world,
                        "steps": len(result.steps), "resumed_from_step": result.resumed_from_step,
