@@ -51,3 +51,11 @@ def _no_leftover_defs_state_storage():
     token = _current_storage.set(None)
     yield
     _current_storage.reset(token)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules holding a ``slow`` test run first (their order inside kept): under ``-n auto --dist loadfile`` a long
+    module that starts last would leave the other workers idle while it finishes."""
+    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (item.module.__name__ not in slow_modules, order[id(item)]))

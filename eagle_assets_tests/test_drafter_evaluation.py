@@ -80,3 +80,26 @@ def test_acceptance_check_levels_spread_and_the_unseen_figure():
                            unseen_note="unseen-source figure skipped: no such file")
     assert not bad.passed and bad.severity == dg.AssetCheckSeverity.ERROR
     assert bad.description.startswith("ERROR:") and bad.description.endswith("skipped: no such file")
+
+
+def test_thinking_modes_of_turn_rows_are_grouped_and_reported_beside_the_mean():
+    from eagle_assets.assets.training import thinking_mode_groups
+    from eagle_assets.conversation.walk import turn_row_id
+
+    ids, mask = np.arange(5, dtype=np.int32), np.array([0, 0, 1, 1, 1], dtype=np.int8)
+    held = [(turn_row_id("MT:1", "on", 1), ids, mask, "M1"), (turn_row_id("MT:1", "off", 2), ids, mask, "M1"),
+            (turn_row_id("MT:2", "off", 1), ids, mask, "M2")]
+    groups = thinking_mode_groups(held)
+    assert {m: len(rows) for m, rows in groups.items()} == {"on": 1, "off": 2}
+    # single-turn rows, or turn rows of the template's default mode only: nothing to split
+    assert thinking_mode_groups([("B1-007", ids, mask, "B1")]) == {}
+    assert thinking_mode_groups([(turn_row_id("x", "default", 1), ids, mask, "B1")]) == {}
+
+    on, off = _result([(10, 60), (10, 58)]), _result([(10, 30), (10, 32)])
+    mean, ci = mean_tau_over_groups({n: (r.row_verifications, r.row_tokens) for n, r in {"on": on, "off": off}.items()})
+    by_mode = GroupedAcceptance({"on": on, "off": off}, mean, ci, {"on": 2, "off": 2})
+    t = TrainingSpec(min_tau_margin=1.0, tau_warn=4.0, acceptance_k=7)
+    check = acceptance_check(t, _heldout([(10, 55), (10, 60)]), None, [], _png, by_mode=by_mode)
+    assert check.passed  # the level is the mean held-out tau's; the split is reported beside it
+    assert "by thinking mode: on 5.900" in check.description and "off 3.100" in check.description
+    assert check.metadata["tau_by_thinking"].value["off"]["tau"] == 3.1

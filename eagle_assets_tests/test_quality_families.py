@@ -221,14 +221,35 @@ def test_text_after_the_think_start_still_opens_the_block(qwen_tok, deepseek_tok
     assert r1.flags["ids_after_think_start"] == [201] and r1.flags["generation_prompt_tokens"] == 3
 
 
-def test_tokenized_prompts_uses_the_renderers_rule():
-    # tokenized_prompts stores RenderedPrompt.opens_think; no second rule survives in the asset's source
-    import inspect
+def test_tokenized_prompts_uses_the_renderers_rule(deepseek_tok, tmp_path):
+    # The column QC and the live monitor read is the renderer's decision, also where a newline follows the R1
+    # think-start (the case a second "last id is think-start" rule got wrong).
+    import json
 
-    from eagle_assets.assets import prompts
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    source = inspect.getsource(prompts.build_prompt_assets)
-    assert "rendered.opens_think" in source and "ids[-1] == profile.think_start_id" not in source
+    from eagle_assets.formats.rows import RAW_SCHEMA
+    from eagle_assets.target_model.render import opens_think_block, render_prompt
+    from eagle_assets.tokenize_pass import tokenize_partition
+
+    saved = deepseek_tok.chat_template
+    deepseek_tok.chat_template = _r1_template(saved)
+    try:
+        prof = detect_profile(deepseek_tok)
+        messages = [{"role": "user", "content": "What is 2+2?"}]
+        raw = tmp_path / "raw.parquet"
+        pq.write_table(pa.Table.from_pylist([{"sample_id": "s0", "messages": json.dumps(messages), "tools": None,
+                                              "reference_reply": None, "source_file": "x.jsonl", "source_row": 0}],
+                                            schema=RAW_SCHEMA), raw)
+        tokenize_partition(raw, tmp_path / "tok", deepseek_tok, prof)
+        row = pq.read_table(tmp_path / "tok" / "prompts.parquet").to_pylist()[0]
+        rendered = render_prompt(deepseek_tok, messages, None, profile=prof)
+    finally:
+        deepseek_tok.chat_template = saved
+    assert row["prompt_ids"][-1] != prof.think_start_id  # "\n" follows the think-start
+    assert row["prompt_opens_think"] is True and rendered.opens_think
+    assert opens_think_block(row["prompt_ids"], prof)
 
 
 # ------------------------------------------------------------------------------------------- rows per family

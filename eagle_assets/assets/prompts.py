@@ -1,16 +1,14 @@
 """Assets ``raw_prompts`` and ``tokenized_prompts``."""
 
 
-import hashlib
 from collections import Counter
 
 import dagster as dg
-import pyarrow as pa
 
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.versions import directory_content_version
-from eagle_assets.formats.rows import RAW_SCHEMA, REJECT_SCHEMA, collect_prompt_rows
-from eagle_assets.storage import write_parquet_atomic
+from eagle_assets.formats.rows import RAW_SCHEMA, REJECT_SCHEMA  # noqa: F401
+from eagle_assets.raw_prompts_pass import write_raw_prompts
 from eagle_assets.tokenize_pass import TOKENIZED_SCHEMA, tokenize_partition  # noqa: F401
 
 # RAW_SCHEMA and REJECT_SCHEMA (raw_prompts' prompt and reject rows) live in eagle_assets.formats.rows.
@@ -22,11 +20,6 @@ def _first_mode(spec):
     from eagle_assets.conversation.walk import thinking_modes
 
     return thinking_modes(spec.enable_thinking)[0][1]
-
-
-def _sample_order(seed: int, sid: str) -> str:
-    # A keyed hash gives a deterministic, seed-dependent sample that is stable when records are added.
-    return hashlib.sha256(f"{seed}:{sid}".encode()).hexdigest()
 
 
 def _reason_table(counts: Counter) -> dg.MetadataValue:
@@ -54,20 +47,16 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         sources = spec.resolved_sources()
         for path, fmt in sources:
             context.log.info(f"reading {path} as {fmt}")
-        kept, rejects = collect_prompt_rows(key, sources, spec.prompt_policy)
-        rows = sorted(kept.values(), key=lambda r: _sample_order(spec.seed, r["sample_id"]))
-        if spec.limit is not None:
-            rows = rows[: spec.limit]
-        rows.sort(key=lambda r: (r["source_file"], r["source_row"]))
-        write_parquet_atomic(pa.Table.from_pylist(rows, schema=RAW_SCHEMA), out / "prompts.parquet")
-        write_parquet_atomic(pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA), out / "rejects.parquet")
-        reasons = Counter(r["reason"] for r in rejects)
-        if rejects:
-            context.log.warning(f"{len(rejects)} records rejected ({dict(reasons.most_common())}); see {out / 'rejects.parquet'}")
+        # one streaming pass (raw_prompts_pass): compact duplicate ids, a bounded sample selection, row groups
+        # written as they come, so memory does not grow with the partition
+        result = write_raw_prompts(key, sources, spec.prompt_policy, out, seed=spec.seed, limit=spec.limit)
+        rows, available, rejected, reasons = result.rows, result.available, result.rejected, result.reasons
+        if rejected:
+            context.log.warning(f"{rejected} records rejected ({dict(reasons.most_common())}); see {out / 'rejects.parquet'}")
         if rows:
-            availability = f"{len(rows)} prompts ({len(kept)} available, {len(rejects)} records rejected)"
-        elif rejects:
-            availability = (f"partition {key} is empty: all {len(rejects)} records of its sources were rejected "
+            availability = f"{rows} prompts ({available} available, {rejected} records rejected)"
+        elif rejected:
+            availability = (f"partition {key} is empty: all {rejected} records of its sources were rejected "
                             f"({dict(reasons.most_common(5))}); see {out / 'rejects.parquet'} for each reason")
         else:
             availability = f"partition {key} is empty: its sources hold no records ({[str(p) for p, _ in sources]})"
@@ -76,9 +65,9 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         yield dg.MaterializeResult(
             data_version=dg.DataVersion(directory_content_version(out, ("prompts.parquet", "rejects.parquet"))),
             metadata={
-                "dagster/row_count": len(rows),
-                "available_records": len(kept),
-                "rejected": len(rejects),
+                "dagster/row_count": rows,
+                "available_records": available,
+                "rejected": rejected,
                 "empty": not rows,
                 "reject_reasons": _reason_table(reasons),
                 "sources": dg.MetadataValue.json([str(p) for p, _ in sources]),
@@ -87,7 +76,7 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         )
         yield dg.AssetCheckResult(
             check_name="prompts_available", passed=bool(rows), severity=dg.AssetCheckSeverity.WARN,
-            description=availability, metadata={"prompts": len(rows), "rejected": len(rejects)},
+            description=availability, metadata={"prompts": rows, "rejected": rejected},
         )
 
 

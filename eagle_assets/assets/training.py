@@ -381,6 +381,11 @@ def build_training_assets() -> list:
             heldout = evaluate_groups(target_model, drafter, vocab, {k: g for k, g in groups.items() if g},
                                       k=t.acceptance_k, max_positions=t.acceptance_max_positions,
                                       acceptance_rows=acceptance_rows)
+            # thinking on and off drafted apart: a drafter trained on reasoning can fall short without it
+            modes = thinking_mode_groups(held)
+            by_mode = evaluate_groups(target_model, drafter, vocab, modes, k=t.acceptance_k,
+                                      max_positions=t.acceptance_max_positions,
+                                      acceptance_rows=acceptance_rows) if modes else None
             unseen, unseen_note = None, None
             if t.unseen_eval is not None:
                 try:
@@ -398,7 +403,7 @@ def build_training_assets() -> list:
         if served is not None and served.source is not None:
             context.log.info(f"acceptance from served features: {served.source.stats.to_dict()}")
         context.log.info(f"acceptance simulated in {time.perf_counter() - started:.1f}s")
-        yield acceptance_check(t, heldout, unseen, missing, acceptance_png, unseen_note)
+        yield acceptance_check(t, heldout, unseen, missing, acceptance_png, unseen_note, by_mode)
 
     return [draft_vocab, training_mix, drafter_checkpoint]
 
@@ -460,11 +465,26 @@ def torch_threads(n: int | None):
         torch.set_num_threads(before)
 
 
-def acceptance_check(t, heldout, unseen, missing: list[str], png_fn, unseen_note: str | None = None
-                     ) -> dg.AssetCheckResult:
+def thinking_mode_groups(held) -> dict[str, list]:
+    """Held-out ``(input_ids, loss_mask)`` rows by the thinking mode of their turn row id (``all_turns``
+    partitions: ``conversation.walk.parse_turn_row_id``); empty when no row names a mode other than "default"."""
+    from eagle_assets.conversation.walk import parse_turn_row_id
+
+    out: dict[str, list] = {}
+    for sample_id, ids, mask, _key in held:
+        parsed = parse_turn_row_id(sample_id)
+        if parsed is not None:
+            out.setdefault(parsed[1], []).append((ids, mask))
+    return out if set(out) - {"default"} else {}
+
+
+def acceptance_check(t, heldout, unseen, missing: list[str], png_fn, unseen_note: str | None = None,
+                     by_mode=None) -> dg.AssetCheckResult:
     """The ``acceptance_length`` check: ERROR when the mean held-out tau is at or under ``1 + min_tau_margin``,
     WARN under ``tau_warn``; the unseen-source tau is reported beside it (it does not set the level: prompts of
-    another source are expected to draft worse, and how much worse is the figure to read)."""
+    another source are expected to draft worse, and how much worse is the figure to read), and so is the held-out
+    tau per thinking mode (``by_mode``: :class:`~eagle_assets.drafter.evaluation.GroupedAcceptance` by mode) where
+    the rows carry one."""
     from eagle_assets.quality.plots import png_markdown
 
     mean_tau, ci = heldout.mean_tau, heldout.mean_tau_ci95
@@ -483,6 +503,10 @@ def acceptance_check(t, heldout, unseen, missing: list[str], png_fn, unseen_note
         text += f"; no held-out rows for {missing} (left out of the mean)"
     if unseen_note:
         text += f"; {unseen_note}"
+    if by_mode is not None:
+        text += "; by thinking mode: " + ", ".join(
+            f"{m} {r.tau:.3f}" + (f" ({r.tau_ci95[0]:.2f}-{r.tau_ci95[1]:.2f})" if r.tau_ci95 else "")
+            + f" on {by_mode.rows.get(m, r.n_rows)} rows" for m, r in by_mode.groups.items())
     curves = dict(heldout.groups)
     if unseen is not None:
         curves["unseen source"] = unseen
@@ -497,6 +521,8 @@ def acceptance_check(t, heldout, unseen, missing: list[str], png_fn, unseen_note
         "per_position_acceptance": dg.MetadataValue.md(png_markdown(png_fn(curves), "per-position acceptance")),
         "partitions_without_heldout_rows": dg.MetadataValue.json(missing),
     }
+    if by_mode is not None:
+        metadata["tau_by_thinking"] = dg.MetadataValue.json(by_mode.summary())
     if unseen is not None:
         metadata.update({
             "unseen_tau": round(unseen.tau, 4),

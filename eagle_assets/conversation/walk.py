@@ -68,15 +68,21 @@ def turn_row_id(sample_id: str, mode: str, turn: int) -> str:
     return f"{sample_id}:{mode}:{turn}"
 
 
-def conversation_id(row_id: str) -> str:
-    """The sample id a generations / QC row belongs to: the inverse of :func:`turn_row_id` for a turn row (every
-    turn and both thinking modes of one conversation share it), the row id itself for a single-turn row."""
+def parse_turn_row_id(row_id: str) -> tuple[str, str, int] | None:
+    """``(sample_id, mode, turn)`` of a row id :func:`turn_row_id` wrote; None for a single-turn row's id."""
     head, sep, turn = row_id.rpartition(":")
     if sep and turn.isdigit():
         sample_id, sep, mode = head.rpartition(":")
         if sep and mode in _MODES:
-            return sample_id
-    return row_id
+            return sample_id, mode, int(turn)
+    return None
+
+
+def conversation_id(row_id: str) -> str:
+    """The sample id a generations / QC row belongs to: every turn and both thinking modes of one conversation
+    share it (:func:`parse_turn_row_id`); a single-turn row's id is its own."""
+    parsed = parse_turn_row_id(row_id)
+    return parsed[0] if parsed else row_id
 
 
 def first_turn_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

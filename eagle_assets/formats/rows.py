@@ -1,7 +1,8 @@
 """The rows ``raw_prompts`` stores: every record of a partition's sources as a kept prompt row or a reject row.
 
-``collect_prompt_rows`` is the whole per-record path of the asset (load, normalize, check, cut the prompt, id,
-serialise), so a test can drive exactly what the asset runs. Kept rows satisfy ``RAW_SCHEMA``: ``messages`` /
+``iter_prompt_rows`` is the whole per-record path of the asset (load, normalize, check, cut the prompt, id,
+serialise, drop duplicates), streamed record by record; ``eagle_assets.raw_prompts_pass`` writes it in bounded row
+groups and ``collect_prompt_rows`` gathers it in memory, so a test can drive exactly what the asset runs. Kept rows satisfy ``RAW_SCHEMA``: ``messages`` /
 ``tools`` / ``reference_reply`` are strict JSON (no NaN), valid UTF-8, with the roles and shapes of
 :func:`~eagle_assets.formats.conversation.check_conversation`. Reject rows satisfy ``REJECT_SCHEMA`` with a
 reason from ``REJECT_REASONS`` and a detail saying what was wrong.
@@ -10,10 +11,11 @@ reason from ``REJECT_REASONS`` and a detail saying what was wrong.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from eagle_assets.formats import load_records
@@ -48,36 +50,91 @@ def _shown(path: Path) -> str:
     return str(path).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def collect_prompt_rows(
-    partition_key: str, sources: Iterable[tuple[Path, str]], policy: str
-) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-    """Every record of ``sources`` (``[(path, format)]``) as a prompt row or a reject row.
+class SeenIds:
+    """The sample ids kept so far, for ``duplicate`` rejects, in ~20 bytes per id (not a dict of rows).
 
-    Returns ``(kept, rejects)``: ``kept`` maps sample_id -> row (``RAW_SCHEMA`` columns) in file order, the first
-    of identical records kept (later ones are ``duplicate`` rejects); ``rejects`` are ``REJECT_SCHEMA`` rows.
-    Never raises for a record; raises FormatError for a source file that is unusable as a whole (missing, a
-    JSON document that does not parse, UTF-16...).
+    A sample id is 16 hex digits (64 bits, :func:`~eagle_assets.formats.prompt.sample_id`), stored as one
+    ``uint64`` in a sorted array beside the ``int32`` source index and ``int64`` source row of its first kept
+    record; the latest ids wait in a small dict and are merged into the arrays every ``merge_every`` (default
+    ``MERGE_EVERY``) ids, so a
+    look-up is one dict probe plus one binary search. Memory: ~20 bytes per distinct kept record (20 MB at 1M).
     """
-    kept: dict[str, dict[str, Any]] = {}
-    rejects: list[dict[str, Any]] = []
-    for path, fmt in sources:
-        shown = _shown(path)
 
-        def reject(row: int, sid: str | None, reason: str, detail: str) -> None:
-            rejects.append({"source_file": shown, "source_row": row, "sample_id": sid, "reason": reason,
-                            "detail": detail.encode("utf-8", "backslashreplace").decode("utf-8")[:_DETAIL_MAX]})
+    MERGE_EVERY = 4096
+
+    def __init__(self, merge_every: int | None = None):
+        self._keys = np.empty(0, dtype=np.uint64)
+        self._source = np.empty(0, dtype=np.int32)
+        self._row = np.empty(0, dtype=np.int64)
+        self._pending: dict[int, tuple[int, int]] = {}
+        self._merge_every = merge_every or self.MERGE_EVERY
+
+    def __len__(self) -> int:
+        return self._keys.size + len(self._pending)
+
+    def get(self, sid: str) -> tuple[int, int] | None:
+        """``(source index, source row)`` of the first kept record with id ``sid``, or None."""
+        key = int(sid, 16)
+        hit = self._pending.get(key)
+        if hit is not None or not self._keys.size:
+            return hit
+        i = int(np.searchsorted(self._keys, np.uint64(key)))
+        if i < self._keys.size and int(self._keys[i]) == key:
+            return int(self._source[i]), int(self._row[i])
+        return None
+
+    def add(self, sid: str, source: int, row: int) -> None:
+        self._pending[int(sid, 16)] = (source, row)
+        if len(self._pending) >= self._merge_every:
+            self._merge()
+
+    def _merge(self) -> None:
+        keys = np.fromiter(self._pending.keys(), dtype=np.uint64, count=len(self._pending))
+        where = np.array(list(self._pending.values()), dtype=np.int64).reshape(-1, 2)
+        order = np.argsort(keys)
+        keys, where = keys[order], where[order]
+        at = np.searchsorted(self._keys, keys)  # one linear insert of a sorted batch, not a sort of every id
+        self._keys = np.insert(self._keys, at, keys)
+        self._source = np.insert(self._source, at, where[:, 0].astype(np.int32))
+        self._row = np.insert(self._row, at, where[:, 1])
+        self._pending = {}
+
+KEPT, REJECT = "kept", "reject"
+
+
+def iter_prompt_rows(
+    partition_key: str, sources: Iterable[tuple[Path, str]], policy: str
+) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """Every record of ``sources`` (``[(path, format)]``), in file order, as ``(KEPT, source index, row)`` with a
+    ``RAW_SCHEMA`` row or ``(REJECT, source index, row)`` with a ``REJECT_SCHEMA`` row.
+
+    The first of identical records is kept (later ones are ``duplicate`` rejects naming its file and row); the ids
+    seen are held in a :class:`SeenIds`, so memory does not grow with the rows' size. Never raises for a record;
+    raises FormatError for a source file that is unusable as a whole (missing, a JSON document that does not
+    parse, UTF-16...).
+    """
+    seen = SeenIds()
+    shown_names: list[str] = []
+    for index, (path, fmt) in enumerate(sources):
+        shown = _shown(path)
+        shown_names.append(shown)
+
+        def reject(row: int, sid: str | None, reason: str, detail: str) -> tuple[str, int, dict[str, Any]]:
+            return REJECT, index, {"source_file": shown, "source_row": row, "sample_id": sid, "reason": reason,
+                                   "detail": detail.encode("utf-8", "backslashreplace").decode("utf-8")[:_DETAIL_MAX]}
 
         for rec in load_records(path, fmt):
             if isinstance(rec, Rejected):
-                reject(rec.source_row, None, rec.reason, rec.detail)
+                yield reject(rec.source_row, None, rec.reason, rec.detail)
                 continue
             try:
                 sid = sample_id(partition_key, rec.source_record)
             except (ValueError, RecursionError) as exc:  # a record nested past what json.dumps can write back
-                reject(rec.source_row, None, MALFORMED_RECORD, f"record cannot be hashed into a sample id ({type(exc).__name__}: {exc})")
+                yield reject(rec.source_row, None, MALFORMED_RECORD, f"record cannot be hashed into a sample id ({type(exc).__name__}: {exc})")
                 continue
-            if sid in kept:
-                reject(rec.source_row, sid, DUPLICATE, f"same record as {kept[sid]['source_file']} row {kept[sid]['source_row']}")
+            first = seen.get(sid)
+            if first is not None:
+                yield reject(rec.source_row, sid, DUPLICATE, f"same record as {shown_names[first[0]]} row {first[1]}")
                 continue
             try:
                 prompt_messages, reference = build_prompt(rec, policy)
@@ -90,10 +147,30 @@ def collect_prompt_rows(
                     "source_row": rec.source_row,
                 }
             except RecordError as exc:
-                reject(rec.source_row, sid, exc.reason, exc.detail)
+                yield reject(rec.source_row, sid, exc.reason, exc.detail)
                 continue
             except Exception as exc:  # noqa: BLE001 - a bad record must not stop the partition
-                reject(rec.source_row, sid, MALFORMED_RECORD, f"prompt could not be built ({type(exc).__name__}: {exc})")
+                yield reject(rec.source_row, sid, MALFORMED_RECORD, f"prompt could not be built ({type(exc).__name__}: {exc})")
                 continue
-            kept[sid] = row
+            seen.add(sid, index, rec.source_row)
+            yield KEPT, index, row
+
+
+def collect_prompt_rows(
+    partition_key: str, sources: Iterable[tuple[Path, str]], policy: str
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Every record of ``sources`` (``[(path, format)]``) as a prompt row or a reject row, all in memory (small
+    sources and tests; ``raw_prompts`` streams :func:`iter_prompt_rows` through ``raw_prompts_pass``).
+
+    Returns ``(kept, rejects)``: ``kept`` maps sample_id -> row (``RAW_SCHEMA`` columns) in file order, the first
+    of identical records kept (later ones are ``duplicate`` rejects); ``rejects`` are ``REJECT_SCHEMA`` rows.
+    Raises FormatError as :func:`iter_prompt_rows` does.
+    """
+    kept: dict[str, dict[str, Any]] = {}
+    rejects: list[dict[str, Any]] = []
+    for kind, _, row in iter_prompt_rows(partition_key, sources, policy):
+        if kind == KEPT:
+            kept[row["sample_id"]] = row
+        else:
+            rejects.append(row)
     return kept, rejects

@@ -1,0 +1,270 @@
+"""One streaming pass over a partition's sources -> ``raw_prompts``' ``prompts.parquet`` and ``rejects.parquet``.
+
+``write_raw_prompts`` is the body of the ``raw_prompts`` asset (``assets.prompts``) without Dagster, so the bench and
+the tests run the same code. Memory does not grow with the rows' size:
+
+- records flow one at a time through ``formats.rows.iter_prompt_rows`` (which drops duplicates by a compact id
+  set, ``SeenIds``: ~20 bytes per distinct record); kept rows are spilled in batches of ``SPILL_ROWS`` to one
+  temporary Parquet file per source (beside the output, removed at the end), rejects go straight to their writer;
+- the ``limit`` sample is the ``limit`` rows of smallest keyed hash ``sha256(f"{seed}:{sample_id}")`` (what the
+  asset always drew: deterministic, seed-dependent, stable when records are added), chosen by a bounded selection
+  (``_Smallest``: at most ``2 * limit + SPILL_ROWS`` 32-byte keys held) instead of sorting every row;
+- the output is written in the order it always had, by ``(source_file, source_row)``, by streaming the spills in
+  file-name order through a row-group writer of at most ``ROW_GROUP_ROWS`` rows.
+
+A partition of at most ``ROW_GROUP_ROWS`` rows is written as one row group, byte for byte the file the in-memory
+path wrote (``pq.write_table`` of the whole table), so data versions of existing partitions do not change.
+The one case read back into memory is a source file listed twice in one partition (both listings kept rows): its
+rows are sorted together, as the order by ``(source_file, source_row)`` asks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle_assets.formats.rows import KEPT, RAW_SCHEMA, REJECT_SCHEMA, _shown, iter_prompt_rows
+
+ROW_GROUP_ROWS = 8192  # ~12 MB of raw prompt rows (~1.5 KB each) buffered per row group
+SPILL_ROWS = 1024
+_SPILL_PREFIX = ".raw_spill-"
+
+
+def sample_order(seed: int, sid: str) -> str:
+    """The keyed hash that orders a partition's rows for its ``limit`` sample (hex sha256 of ``"{seed}:{sid}"``):
+    deterministic, seed-dependent, and stable when records are added."""
+    return hashlib.sha256(f"{seed}:{sid}".encode()).hexdigest()
+
+
+def _order_keys(seed: int, sids: Iterable[str]) -> np.ndarray:
+    # the digest bytes sort exactly as their hex digests do (hex digits are in nibble order)
+    return np.array([hashlib.sha256(f"{seed}:{s}".encode()).digest() for s in sids], dtype="S32")
+
+
+class _Smallest:
+    """The ``limit`` positions of smallest key among those added, holding at most ``2 * limit + batch`` keys."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._keys = np.empty(0, dtype="S32")
+        self._pos = np.empty(0, dtype=np.int64)
+
+    def add(self, keys: np.ndarray, positions: np.ndarray) -> None:
+        self._keys = np.concatenate([self._keys, keys])
+        self._pos = np.concatenate([self._pos, positions])
+        if self._keys.size > 2 * self.limit:
+            self._prune()
+
+    def _prune(self) -> None:
+        # keys are distinct (sample ids are), so the stable sort's tie order never decides
+        keep = np.argsort(self._keys, kind="stable")[: self.limit]
+        self._keys, self._pos = self._keys[keep], self._pos[keep]
+
+    def positions(self) -> np.ndarray:
+        """The selected positions, ascending."""
+        self._prune()
+        return np.sort(self._pos)
+
+
+class _RowGroupWriter:
+    """Tables in, row groups of ``ROW_GROUP_ROWS`` rows out, to a temp file renamed onto ``path`` by ``commit``.
+
+    Each row group is one ``ParquetWriter.write_table`` of one combined table, as ``pq.write_table`` writes a
+    table: a file of at most one group is the same bytes as ``pq.write_table(table, path, compression="zstd")``.
+    """
+
+    def __init__(self, path: Path, schema: pa.Schema, group_rows: int | None = None):
+        self.path, self.schema, self.group_rows = Path(path), schema, group_rows or ROW_GROUP_ROWS
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        os.close(fd)
+        self._writer = pq.ParquetWriter(self.tmp, schema, compression="zstd")
+        self._parts: list[pa.Table] = []
+        self._buffered = 0
+        self.rows = 0
+        self.groups = 0
+
+    def write(self, table: pa.Table) -> None:
+        while table.num_rows:
+            take = min(table.num_rows, self.group_rows - self._buffered)
+            self._parts.append(table.slice(0, take))
+            self._buffered += take
+            table = table.slice(take)
+            if self._buffered == self.group_rows:
+                self._flush()
+
+    def write_rows(self, rows: list[dict[str, Any]]) -> None:
+        if rows:
+            self.write(pa.Table.from_pylist(rows, schema=self.schema))
+
+    def _flush(self) -> None:
+        table = pa.concat_tables(self._parts).combine_chunks() if self._parts else self.schema.empty_table()
+        self._writer.write_table(table)
+        self.rows += table.num_rows
+        self.groups += 1
+        self._parts, self._buffered = [], 0
+
+    def commit(self) -> None:
+        if self._buffered or not self.groups:  # an empty file is written as pq.write_table writes an empty table
+            self._flush()
+        self._writer.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        self._writer.close()
+        if os.path.exists(self.tmp):
+            os.unlink(self.tmp)
+
+
+@dataclass
+class RawPromptsSummary:
+    """What one ``write_raw_prompts`` pass wrote: ``rows`` prompt rows (the sample), ``available`` distinct good
+    records, ``rejected`` reject rows by ``reasons``, ``row_groups`` of ``prompts.parquet``."""
+
+    rows: int = 0
+    available: int = 0
+    rejected: int = 0
+    reasons: Counter = field(default_factory=Counter)
+    row_groups: int = 0
+
+
+class _Spill:
+    """Kept rows of one source entry, in record order, in a temporary Parquet file."""
+
+    def __init__(self, path: Path, start: int):
+        self.path, self.start = path, start  # start: position of its first row among all kept rows
+        self.rows = 0
+        self.increasing = True  # source rows strictly increasing (always, for one listing of a file)
+        self._last_row = -1
+        self._writer: pq.ParquetWriter | None = None
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        for r in rows:
+            self.increasing &= r["source_row"] > self._last_row
+            self._last_row = r["source_row"]
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.path, RAW_SCHEMA, compression="lz4")
+        self._writer.write_table(pa.Table.from_pylist(rows, schema=RAW_SCHEMA))
+        self.rows += len(rows)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    def batches(self, selected: np.ndarray | None):
+        """Record batches of the selected rows (``selected``: ascending positions; None = every row)."""
+        if not self.rows:
+            return
+        pos = self.start
+        for batch in pq.ParquetFile(self.path).iter_batches(batch_size=SPILL_ROWS):
+            lo, hi = pos, pos + batch.num_rows
+            pos = hi
+            if selected is not None:
+                take = selected[np.searchsorted(selected, lo):np.searchsorted(selected, hi)] - lo
+                if not take.size:
+                    continue
+                batch = batch.take(pa.array(take))
+            yield batch
+
+
+def write_raw_prompts(
+    partition_key: str,
+    sources: list[tuple[Path, str]],
+    policy: str,
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    limit: int | None = None,
+) -> RawPromptsSummary:
+    """Read every record of ``sources`` (``[(path, format)]``) once and write ``out_dir/prompts.parquet``
+    (``RAW_SCHEMA``: the ``limit`` rows of smallest :func:`sample_order`, all when ``limit`` is None, ordered by
+    ``(source_file, source_row)``) and ``out_dir/rejects.parquet`` (``REJECT_SCHEMA``, in record order).
+
+    Raises ``FormatError`` for a source file unusable as a whole and ``OSError`` for unwritable output; nothing is
+    replaced then (both files are renamed into place only after the pass).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob(_SPILL_PREFIX + "*"):  # left by a killed run
+        shutil.rmtree(stale, ignore_errors=True)
+    spill_dir = Path(tempfile.mkdtemp(prefix=_SPILL_PREFIX, dir=out_dir))
+    summary = RawPromptsSummary()
+    sources = list(sources)
+    spills: list[_Spill] = []
+    sample = _Smallest(limit) if limit is not None else None
+    rejects = _RowGroupWriter(out_dir / "rejects.parquet", REJECT_SCHEMA)
+    prompts: _RowGroupWriter | None = None
+    try:
+        pending: list[dict[str, Any]] = []
+        bad: list[dict[str, Any]] = []
+
+        def spill() -> None:
+            if sample is not None:
+                start = spills[-1].start + spills[-1].rows
+                sample.add(_order_keys(seed, (r["sample_id"] for r in pending)),
+                           np.arange(start, start + len(pending), dtype=np.int64))
+            spills[-1].write(pending)
+            pending.clear()
+
+        for kind, index, row in iter_prompt_rows(partition_key, sources, policy):
+            while len(spills) <= index:  # a new source entry: close the last one's batch first
+                if pending:
+                    spill()
+                start = spills[-1].start + spills[-1].rows if spills else 0
+                spills.append(_Spill(spill_dir / f"source-{len(spills):05d}.parquet", start))
+            if kind == KEPT:
+                pending.append(row)
+                summary.available += 1
+                if len(pending) >= SPILL_ROWS:
+                    spill()
+            else:
+                bad.append(row)
+                summary.rejected += 1
+                summary.reasons[row["reason"]] += 1
+                if len(bad) >= SPILL_ROWS:
+                    rejects.write_rows(bad)
+                    bad.clear()
+        if pending:
+            spill()
+        rejects.write_rows(bad)
+        for s in spills:
+            s.close()
+        selected = sample.positions() if sample is not None else None
+        prompts = _RowGroupWriter(out_dir / "prompts.parquet", RAW_SCHEMA)
+        shown = [_shown(p) for p, _ in sources]
+        order = sorted(range(len(spills)), key=lambda k: shown[k])  # stable: listing order among equal names
+        for _, group in itertools.groupby(order, key=lambda k: shown[k]):
+            group = [spills[k] for k in group if spills[k].rows]
+            if len(group) == 1 and group[0].increasing:
+                for batch in group[0].batches(selected):
+                    prompts.write(pa.Table.from_batches([batch], schema=RAW_SCHEMA))
+            elif group:
+                # the same file listed twice: sort its rows as the order by (source_file, source_row) asks, ties
+                # in the sample order (what sorting every row by sample order first, then stably, gave)
+                rows = [r for s in group for b in s.batches(selected) for r in b.to_pylist()]
+                rows.sort(key=lambda r: (r["source_row"], sample_order(seed, r["sample_id"])))
+                prompts.write_rows(rows)
+        summary.rows = prompts.rows + prompts._buffered
+        prompts.commit()
+        rejects.commit()
+        summary.row_groups = prompts.groups
+    finally:
+        for s in spills:
+            s.close()
+        for w in (prompts, rejects):
+            if w is not None and os.path.exists(w.tmp):  # not committed: an error above
+                w.abort()
+        shutil.rmtree(spill_dir, ignore_errors=True)
+    return summary
+
