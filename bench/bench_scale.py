@@ -32,7 +32,7 @@ Four modes, all on synthetic ShareGPT-like data with the real Qwen3 tokenizer
 Usage: ``.venv/bin/python bench/bench_scale.py micro [--rows 20000]``
        ``.venv/bin/python bench/bench_scale.py qc --conversations 10000 100000 [--baseline /tmp/base]``
        ``.venv/bin/python bench/bench_scale.py job --conversations 10000 100000 [--baseline /tmp/base]``
-       ``.venv/bin/python bench/bench_scale.py client [--requests 20000] [--concurrency 1024]``
+       ``.venv/bin/python bench/bench_scale.py client [--requests 20000] [--concurrency 1024] [--baseline /tmp/base]``
 
 Numbers depend on the machine's load: micro prints this process's run-queue wait (``bench/schedstat.py``), job and
 client the load average.
@@ -466,6 +466,40 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _client_rows(text: str) -> dict[str, list[str]]:
+    """The ``| on |`` / ``| off |`` rows of a client-mode table, as cells."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and cells[0] in ("on", "off"):
+            rows[cells[0]] = cells
+    return rows
+
+
+def client_compare(requests: int, concurrency: int, baseline: Path) -> int:
+    """Client mode of ``baseline`` (a tree of the code before, ``git archive <commit> | tar -x -C DIR``) and of this
+    tree, each in its own child process one after the other in this run, side by side with ratios (baseline /
+    now) of client CPU per request and requests/s."""
+    here = Path(__file__).resolve().parents[1]
+    got = {}
+    for name, tree in (("baseline", baseline), ("now", here)):
+        res = subprocess.run([sys.executable, str(tree / "bench" / "bench_scale.py"), "client", "--requests",
+                              str(requests), "--concurrency", str(concurrency)], cwd=tree, capture_output=True,
+                             text=True, env=dict(os.environ, PYTHONPATH=str(tree)))
+        print(f"--- {name} ({tree}) ---\n{res.stdout.strip()}", flush=True)
+        if res.returncode:
+            print(res.stderr[-3000:])
+            return 1
+        got[name] = _client_rows(res.stdout)
+    num = (lambda c: float(c.replace(",", "")))
+    print("\n| live monitor | client CPU us/req (baseline / now / ratio) | req/s (baseline / now / ratio) |\n|---|---|---|")
+    for mode in ("on", "off"):
+        b, n = got["baseline"][mode], got["now"][mode]
+        print(f"| {mode} | {b[3]} / {n[3]} / {num(b[3]) / num(n[3]):.2f}x | {b[2]} / {n[2]} / "
+              f"{num(n[2]) / num(b[2]):.2f}x |")
+    return 0
+
+
 def client_stage(requests: int, concurrency: int) -> int:
     """``run_generation`` (the body of ``generations``: client, shards, failures, live monitor) from a
     ``PromptsFile`` against the Qwen3-shaped zero-latency stub in its own process, ``concurrency`` requests in
@@ -539,6 +573,9 @@ def main() -> int:
     c = sub.add_parser("client", help="run_generation at many requests in flight against the zero-latency stub")
     c.add_argument("--requests", type=int, default=20_000)
     c.add_argument("--concurrency", type=int, default=1024)
+    c.add_argument("--baseline", type=Path, default=None,
+                   help="a tree of earlier code (git archive <commit> | tar -x -C DIR): its client mode, then this "
+                        "tree's, each in a child process, with ratios")
     args = ap.parse_args()
     if not QWEN.exists():
         print(f"the Qwen3 tokenizer is not at {QWEN}: set EAGLE_SHARED_DATA to the shared data directory")
@@ -546,6 +583,8 @@ def main() -> int:
     if args.cmd == "micro":
         return micro(args.rows)
     if args.cmd == "client":
+        if args.baseline is not None:
+            return client_compare(args.requests, args.concurrency, args.baseline)
         return client_stage(args.requests, args.concurrency)
     if args.cmd == "job":
         return job_stage(args.conversations, args.concurrency, args.keep, args.baseline, args.baseline_max)

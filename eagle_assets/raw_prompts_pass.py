@@ -255,10 +255,9 @@ def write_raw_prompts(
                 rows = [r for s in group for b in s.batches(selected) for r in b.to_pylist()]
                 rows.sort(key=lambda r: (r["source_row"], sample_order(seed, r["sample_id"])))
                 prompts.write_rows(rows)
-        summary.rows = prompts.rows + prompts._buffered
         prompts.commit()
         rejects.commit()
-        summary.row_groups = prompts.groups
+        summary.rows, summary.row_groups = prompts.rows, prompts.groups
     finally:
         for s in spills:
             s.close()

@@ -147,3 +147,19 @@ def test_default_catalog_sources_load():
         recs = list(load_records(path, fmt))
         good = [r for r in recs if isinstance(r, Conversation)]
         assert len(recs) >= 48 and len(recs) - len(good) <= 2, (key, [r for r in recs if not isinstance(r, Conversation)])
+
+
+def test_the_readme_catalog_example_is_a_valid_catalog():
+    """The README's catalog-format block uses only fields the schema knows (it drifted once: epochs 2, lr 3e-4)."""
+    from pathlib import Path
+
+    import yaml
+
+    from eagle_assets.catalog import PartitionSpec, TrainingSpec
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text[text.index("## The catalog format"):].split("```yaml\n", 1)[1].split("```", 1)[0]
+    example = yaml.safe_load(block)
+    training = TrainingSpec(**example["training"])
+    assert training.features.source == "local" and training.launcher == "inline"
+    assert all(PartitionSpec(**spec) for spec in example["partitions"].values())

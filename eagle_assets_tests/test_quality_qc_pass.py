@@ -16,6 +16,7 @@ import pytest
 from eagle_assets.generation import GENERATION_SCHEMA
 from eagle_assets.quality.qc_pass import QC_SCHEMA, ROWS_SCHEMA, ShardWriter, qc_partition
 from eagle_assets.quality.segment import segment_row
+from eagle_assets.quality.thresholds import evaluate_response_length
 from eagle_assets.storage import shard_paths
 from test_quality_fuzz_replies import BLANK, CONTROL, END_THINK, EOT, ORDINARY, THINK, TOOL, END_TOOL, VOCAB, _profile
 
@@ -94,6 +95,15 @@ def test_streaming_qc_equals_the_per_row_reference(tmp_path, seed):
     assert {k: summary.reasons[k] for k in skipped} == skipped
     assert summary.drop_reasons() == [r[4] for r in want_rows]
     assert len({r[4] for r in want_rows}) >= 5  # the corpus reaches several rules
+    # response_length from the summary's counts = the per-row evaluation over lists of every row
+    firsts, ordered = set(), []
+    for g in all_rows:
+        if g["sample_id"] in prompts and g["sample_id"] not in firsts:
+            firsts.add(g["sample_id"])
+            ordered.append(g["finish_reason"])
+    for th in ({"short_tokens": 4, "max_share_truncated_warn": 0.05, "min_median_tokens": 3}, {"short_tokens": 2}):
+        want = evaluate_response_length([r[1] for r in want_rows], ordered, th)
+        assert summary.response_length(th) == want
 
 
 def test_shard_writer_caps_bytes_and_always_leaves_shard_zero(tmp_path):

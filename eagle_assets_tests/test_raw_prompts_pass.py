@@ -73,7 +73,7 @@ def test_a_50k_record_source_gives_the_same_rows_in_bounded_row_groups(tmp_path)
     sources = [(src, "sharegpt")]
     kept, rejects = collect_prompt_rows("S", sources, "last_user")
     assert 4_000 < len(rejects) < 6_000  # duplicates and bad lines planted
-    for limit, seed in ((None, 3), (5_000, 3), (20_000, 11)):
+    for limit, seed in ((None, 3), (5_000, 11)):
         out = tmp_path / f"new_{limit}"
         got = write_raw_prompts("S", sources, "last_user", out, seed=seed, limit=limit)
         rows = sorted(kept.values(), key=lambda r: sample_order(seed, r["sample_id"]))[:limit]
@@ -133,8 +133,8 @@ def test_peak_memory_does_not_grow_with_the_records(tmp_path, monkeypatch):
     monkeypatch.setattr(raw_prompts_pass, "ROW_GROUP_ROWS", 256)
     monkeypatch.setattr(SeenIds, "MERGE_EVERY", 256)
     small, large = tmp_path / "small.jsonl", tmp_path / "large.jsonl"
-    _sharegpt(small, 1_500)
-    _sharegpt(large, 6_000)
+    _sharegpt(small, 1_000)
+    _sharegpt(large, 4_000)
     write_raw_prompts("W", [(small, "sharegpt")], "last_user", tmp_path / "warm")  # imports and caches first
     for limit in (None, 100):
         peaks = [_peak_bytes(lambda p=p: write_raw_prompts("W", [(p, "sharegpt")], "last_user",

@@ -16,9 +16,9 @@ What replaced the hand-written sensors (see docs/scaling.md):
   the new ``source_files`` version and ``raw_prompts``' condition (and its children's) requests the runs. A replay
   of the same content is the same data version, so nothing runs twice.
 - ``training_sensor`` launched ``training_job`` once every partition had fresh QC: now ``draft_vocab``,
-  ``training_mix`` and ``drafter_checkpoint`` run after any partition's QC data changed, once no ``qc_shards``
-  partition is missing or in progress (``~any_deps_missing``, ``~any_deps_in_progress``), and never twice at once
-  (``~in_progress``). A partition whose QC failed is left out by the assets themselves (``passing_partitions``), as
+  ``training_mix`` and ``drafter_checkpoint`` run after any partition's QC data changed (a change that happened,
+  never one merely requested in the same tick), once no ``qc_shards`` partition is missing or in a run or
+  backfill (``~any_deps_missing``, ``~any_deps_in_progress``), and never twice at once (``~in_progress``). A partition whose QC failed is left out by the assets themselves (``passing_partitions``), as
   in ``training_job``.
 
 ``length_report`` drops the missing-dependency gate: the report covers whichever partitions have QC rows and says
@@ -34,25 +34,29 @@ from eagle_assets.assets.sensors import sensor_interval_s
 AUTOMATION_SENSOR = "automation_sensor"
 
 
-def any_deps_data_version_changed() -> dg.AutomationCondition:
+def any_deps_data_version_changed(wait_for: dg.AssetSelection | None = None) -> dg.AutomationCondition:
     """True when a dependency has a new data version since the previous tick (not only a new materialization), or
     will be requested this tick; a dependency updated by a run that also targeted this asset is ignored, as in
-    ``any_deps_updated``."""
+    ``any_deps_updated``. Dependencies in ``wait_for`` count only once they have changed, never by being requested
+    in the same tick (see :func:`asset_conditions`)."""
     ac = dg.AutomationCondition
-    return ac.any_deps_match(
-        (ac.data_version_changed() & ~ac.executed_with_root_target()).with_label("data_version_changed_without_root")
-        | ac.will_be_requested()
-    ).with_label("any_deps_data_version_changed")
+    changed = ac.any_deps_match(
+        (ac.data_version_changed() & ~ac.executed_with_root_target()).with_label("data_version_changed_without_root"))
+    requested = ac.any_deps_match(ac.will_be_requested())
+    if wait_for is not None:
+        requested = requested.ignore(wait_for)
+    return (changed | requested).with_label("any_deps_data_version_changed")
 
 
-def eager_on_data_versions() -> dg.AutomationCondition:
+def eager_on_data_versions(wait_for: dg.AssetSelection | None = None) -> dg.AutomationCondition:
     """``AutomationCondition.eager()`` with ``any_deps_updated`` replaced by :func:`any_deps_data_version_changed`.
 
     Plain ``eager()`` fires on every new upstream materialization (``newly_updated`` ignores data versions for
     materialized assets, ``dagster/_utils/caching_instance_queryer.py``), so re-running a partition on unchanged
     inputs would re-train the drafter; with data versions, only a materialization whose data version changed
     (its code version, its inputs, or for ``generations`` its shards' bytes) propagates."""
-    return dg.AutomationCondition.eager().replace("any_deps_updated", any_deps_data_version_changed()).with_label(
+    return dg.AutomationCondition.eager().replace("any_deps_updated",
+                                                  any_deps_data_version_changed(wait_for)).with_label(
         "eager_on_data_versions")
 
 
@@ -60,9 +64,14 @@ def asset_conditions() -> dict[str, dg.AutomationCondition]:
     """The automation condition of each materializable asset, by asset name."""
     eager = eager_on_data_versions()
     report = eager.without(~dg.AutomationCondition.any_deps_missing()).with_label("eager_without_missing_gate")
-    names = ("raw_prompts", "tokenized_prompts", "generations", "qc_shards", "draft_vocab", "training_mix",
-             "drafter_checkpoint", "speculators_export", "specforge_export")
-    return {**{name: eager for name in names}, "length_report": report}
+    # The unpartitioned assets after QC are never requested in the tick that requests the partitions: chained
+    # into that backfill they would train once inside it, and then once more for the QC data versions the
+    # backfill's partition runs wrote (those runs did not target them). Waiting for qc_shards to change, with no
+    # qc_shards partition in a run or backfill (~any_deps_in_progress), trains once after all of them.
+    after_qc = eager_on_data_versions(wait_for=dg.AssetSelection.assets("qc_shards"))
+    partitioned = ("raw_prompts", "tokenized_prompts", "generations", "qc_shards")
+    after = ("draft_vocab", "training_mix", "drafter_checkpoint", "speculators_export", "specforge_export")
+    return {**{name: eager for name in partitioned}, **{name: after_qc for name in after}, "length_report": report}
 
 
 def build_automation_sensor() -> dg.AutomationConditionSensorDefinition:

@@ -14,7 +14,7 @@ from eagle_assets.quality.lengths import format_table, length_report as compute_
 from eagle_assets.quality.plots import length_histogram_png, png_markdown
 from eagle_assets.quality.qc_pass import QC_SCHEMA, QC_SKIP_REASONS, ROWS_SCHEMA, qc_partition  # noqa: F401
 from eagle_assets.quality.segment import DROP_REASONS, FLAGS
-from eagle_assets.quality.thresholds import Outcome, evaluate_response_length, evaluate_token_structure, reason_levels
+from eagle_assets.quality.thresholds import Outcome, evaluate_token_structure, reason_levels
 from eagle_assets.storage import shard_paths, write_json_atomic, write_parquet_atomic
 
 QC_STATUS_FILE = "qc_status.json"
@@ -108,9 +108,8 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
         reasons: Counter = result.reasons
         flags_count: Counter = result.flags
         drop_reasons = result.drop_reasons()
-        lengths = result.completion_tokens.tolist()
         structure = evaluate_token_structure(drop_reasons, thresholds)
-        length = evaluate_response_length(lengths, result.finish_reason, thresholds)
+        length = result.response_length(thresholds)  # = evaluate_response_length, from counts (no list per row)
         write_json_atomic(
             {"partition": key, "token_structure": structure.level, "response_length": length.level,
              "passed": structure.passed and length.passed, "kept": result.kept, "rows": result.rows,

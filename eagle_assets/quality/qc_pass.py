@@ -19,10 +19,11 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Collection
+from typing import Any, Collection
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle_assets.quality.segment import DROP_REASONS, FLAGS
@@ -71,8 +72,9 @@ class QcSummary:
     """What one pass found: counts, per-row figures (numpy, one entry per segmented row, in row order) and files.
 
     ``drop_code``: int8 (``segment_batch.KEPT`` or an index into ``DROP_REASONS``); ``completion_tokens``,
-    ``reasoning_tokens``, ``answer_tokens``: int32 tokens; ``finish_reason``: list of str or None;
-    ``reasons``: drop reason / skip reason -> rows; ``flags``: flag -> rows; ``shards``: QC shard paths written.
+    ``reasoning_tokens``, ``answer_tokens``: int32 tokens; ``finish_reasons``: finish reason (str or None) -> rows
+    (counts, not one entry per row); ``reasons``: drop reason / skip reason -> rows; ``flags``: flag -> rows;
+    ``shards``: QC shard paths written.
     """
 
     rows: int = 0
@@ -84,12 +86,28 @@ class QcSummary:
     completion_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     reasoning_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     answer_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    finish_reason: list = field(default_factory=list)
+    finish_reasons: Counter = field(default_factory=Counter)
     shards: list[Path] = field(default_factory=list)
     output_tokens: int = 0
 
     def drop_reasons(self) -> list[str | None]:
         return [None if c < 0 else DROP_REASONS[c] for c in self.drop_code.tolist()]
+
+    def response_length(self, thresholds: Any):
+        """The ``response_length`` outcome of every segmented row, the figures of
+        ``quality.thresholds.evaluate_response_length`` (same median, p10, share under ``short_tokens``, share
+        truncated) from an exact length histogram and the finish-reason counts, without a list per row."""
+        from eagle_assets.quality.running import LengthHistogram
+        from eagle_assets.quality.thresholds import _get, response_length_outcome
+
+        n = int(self.completion_tokens.size)
+        if not n:
+            return response_length_outcome(0, 0.0, 0.0, 0, 0, thresholds)
+        short = int(_get(thresholds, "short_tokens", 300) or 300)
+        hist = LengthHistogram()
+        hist.add_many(self.completion_tokens)
+        return response_length_outcome(n, float(hist.median()), hist.index_quantile(0.1), hist.below(short),
+                                       self.finish_reasons["length"], thresholds)
 
 
 def _ragged(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -300,7 +318,8 @@ def qc_partition(
                     n_out.append(seg.completion_tokens)
                     reasoning.append(seg.reasoning_tokens)
                     answer.append(seg.answer_tokens)
-                    summary.finish_reason.extend(finish.to_pylist())
+                    summary.finish_reasons.update(
+                        dict(zip(*(c.to_pylist() for c in pc.value_counts(finish).flatten()))))
                     summary.kept += len(keep)
                     summary.short += int(short.sum())
                     summary.output_tokens += int(seg.completion_tokens.sum(dtype=np.int64))

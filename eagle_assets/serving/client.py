@@ -40,7 +40,9 @@ from numbers import Integral
 from typing import Any, Callable, Collection, Iterable, Sequence
 
 import aiohttp
+import orjson
 
+from eagle_assets.quality.running import DurationSketch
 from eagle_assets.serving.protocol import GenerateFailure, GenerateReply, ReplyError, SamplingParams, parse_reply
 
 Result = GenerateReply | GenerateFailure
@@ -70,15 +72,15 @@ class ClientStats:
     retries: int = 0
     attempt_errors: Counter = field(default_factory=Counter)
     failure_kinds: Counter = field(default_factory=Counter)
-    latencies_s: list[float] = field(default_factory=list)
+    latencies_s: DurationSketch = field(default_factory=DurationSketch)  # bounded: no list per row
     wall_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         """Flat dict: counts, requests/s, latency p50/p99 in ms."""
-        lat = sorted(self.latencies_s)
+        lat = self.latencies_s  # quantiles within 0.5% (quality.running.DurationSketch)
 
         def q(p: float) -> float:
-            return round(1000.0 * lat[min(len(lat) - 1, int(p * (len(lat) - 1) + 0.5))], 2) if lat else 0.0
+            return round(1000.0 * lat.at(min(len(lat) - 1, int(p * (len(lat) - 1) + 0.5))), 2) if len(lat) else 0.0
 
         return {
             "requests": self.requests,
@@ -475,10 +477,8 @@ class GenerateClient:
         ids, problem = self._check_input(ids, vocab_size)
         if ids is None:
             return GenerateFailure(rid=rid, kind="bad_input", attempts=0, last_error=problem)
-        body = b"".join(
-            (b'{"input_ids":', json.dumps(ids, separators=(",", ":")).encode(), b',"sampling_params":', sp_bytes,
-             b',"rid":', json.dumps(rid).encode(), b"}")
-        )
+        body = b"".join((b'{"input_ids":', _ids_json(ids), b',"sampling_params":', sp_bytes, b',"rid":',
+                         json.dumps(rid).encode(), b"}"))
 
         def parse(raw: bytes) -> GenerateReply:
             return parse_reply(raw, ids, vocab_size, max_new_tokens=sp.max_new_tokens, rid=rid, control_ids=control_ids)
@@ -572,6 +572,15 @@ class GenerateClient:
         if status >= 500:
             return _Attempt("http_5xx", f"{where}: {excerpt}", True, _retry_after(headers), server_fault=True)
         return _Attempt(f"http_{status}", f"{where}: {excerpt}", False)
+
+
+def _ids_json(ids: list[int]) -> bytes:
+    """``input_ids`` as compact JSON bytes: orjson (~10x json's speed on a few hundred ids), json for what orjson
+    cannot write (ints past 64 bits, reachable only without a vocab check)."""
+    try:
+        return orjson.dumps(ids)
+    except TypeError:
+        return json.dumps(ids, separators=(",", ":")).encode()
 
 
 def _item_rid(item: Any) -> str:

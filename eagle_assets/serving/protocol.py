@@ -38,6 +38,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Collection, Iterable, Sequence
 
+import orjson
+
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 GREEDY_TEMPERATURE_EPS = 1e-6
 FINISH_TYPES = ("stop", "length", "abort")
@@ -501,10 +503,15 @@ def parse_reply(
     """
     if isinstance(reply, (bytes, bytearray, str)):
         try:
-            reply = json.loads(reply)
-        except (ValueError, UnicodeDecodeError) as exc:
-            size = len(reply)
-            raise ReplyError("bad_json", f"reply body ({size} bytes) is not valid JSON: {exc}") from None
+            # orjson: ~10x faster than json on a reply of ~1,000 ids (the client's largest cost per request)
+            reply = orjson.loads(reply)
+        except orjson.JSONDecodeError:
+            # what orjson refuses and json reads (NaN, ints past 64 bits, lone surrogates) keeps json's outcome
+            try:
+                reply = json.loads(reply)
+            except (ValueError, UnicodeDecodeError) as exc:
+                size = len(reply)
+                raise ReplyError("bad_json", f"reply body ({size} bytes) is not valid JSON: {exc}") from None
     if not isinstance(reply, dict):
         raise ReplyError("not_object", f"expected one reply object, got {type(reply).__name__}")
     if "error" in reply and "output_ids" not in reply:
