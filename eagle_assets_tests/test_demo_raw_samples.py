@@ -6,7 +6,17 @@ import json
 
 import pytest
 
-from eagle_assets.demo.raw_samples import FILES, MALFORMED_ROWS, N_RECORDS, default_out_dir, prompt_samples, write_raw_samples
+from eagle_assets.demo.raw_samples import (
+    FILES,
+    MALFORMED_ROWS,
+    N_RECORDS,
+    default_out_dir,
+    last_user_samples,
+    prompt_samples,
+    turn_samples,
+    write_raw_samples,
+)
+from eagle_assets.demo.transcripts import completion_text, generate_mixture
 from eagle_assets.formats import Rejected, build_prompt, load_records
 
 FORMATS = {"tool": "glaive", "code": "opencodeinstruct", "math": "messages", "reasoning": "sharegpt"}
@@ -42,6 +52,10 @@ def test_native_layout(kind):
             assert set(r) == {"system", "chat"} and r["system"].startswith("SYSTEM: You are a helpful assistant")
             assert r["chat"].startswith("USER: ") and "ASSISTANT: <functioncall> {\"name\": " in r["chat"]
             assert "\"arguments\": '{" in r["chat"] and "FUNCTION RESPONSE: " in r["chat"]
+        # A multi-turn partition: some conversations go on with a follow-up question and its answer.
+        follow_ups = sum(r["chat"].count("USER: ") == 2 for r in good)
+        assert 0.3 * len(good) <= follow_ups <= 0.8 * len(good), follow_ups
+        assert all(r["chat"].count("USER: ") == r["chat"].count("ASSISTANT: ") - 1 for r in good)
     elif kind == "code":
         keys = {"id", "input", "output", "domain", "generation_algorithm", "llm_judgement", "unit_tests",
                 "tests_execution_status", "average_test_score"}
@@ -68,9 +82,65 @@ def test_loaders_reject_malformed_rows_and_keep_prompts_in_distribution(kind):
     assert [r.source_row for r in rejected] == list(MALFORMED_ROWS)
     assert {r.reason for r in rejected} <= EXPECTED_REJECTS[kind]
     convs = [r for r in loaded if not isinstance(r, Rejected)]
-    # The pipeline's prompts are exactly the generator's prompts the demo target was trained on.
-    for conv, sample in zip(convs, prompt_samples(kind), strict=True):
+    # The pipeline's prompts are exactly the generator's prompts the demo target was trained on: the first user
+    # turn, or (B1 conversations with a follow-up) the follow-up after the recorded turns, whose assistant turns
+    # the template renders without reasoning, as the generator's turn-3 prompt does.
+    template = _template_tokenizer()
+    for conv, sample in zip(convs, last_user_samples(kind), strict=True):
         prompt, reference = build_prompt(conv, "last_user")
-        assert prompt == sample.messages
+        if sample.kind == "follow_up":
+            assert _render(template, prompt, conv.tools) == _render(template, sample.messages, sample.tools)
+            assert reference["content"] == sample.content
+        else:
+            assert prompt == sample.messages
+            assert reference is not None
         assert conv.tools == sample.tools
-        assert reference is not None
+
+
+def _template_tokenizer():
+    """A demo tokenizer trained on a few transcripts (seconds): the demo chat template with the demo tokens."""
+    from eagle_assets.demo.tokenizer import train_demo_tokenizer
+
+    bootstrap = train_demo_tokenizer(["bootstrap text"], vocab_size=512)
+    texts = [bootstrap.apply_chat_template(s.messages, tools=s.tools, add_generation_prompt=True, tokenize=False)
+             + completion_text(s) for s in generate_mixture(20, seed=1)]
+    return train_demo_tokenizer(texts, vocab_size=2048)
+
+
+def _render(tokenizer, messages, tools):
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+
+
+def test_all_turns_replay_of_b1_gives_the_gate_prompts_id_for_id():
+    """Replaying the committed B1 conversations with the ``all_turns`` machinery (``conversation.walk`` +
+    ``reply.parse_reply`` + ``render_prompt``), the model answering each turn with the generator's reference reply:
+    every call finds its recorded result, every turn's prompt ids equal the gate's prompt for that turn, and each
+    conversation is complete after 2 turns, or 3 when the record holds a follow-up."""
+    from eagle_assets.conversation.reply import parse_reply
+    from eagle_assets.conversation.walk import COMPLETE, ConversationWalk
+    from eagle_assets.demo.build import encode_sample
+    from eagle_assets.quality.segment import segment_output
+    from eagle_assets.target_model.profile import detect_profile
+    from eagle_assets.target_model.render import render_prompt
+
+    tok = _template_tokenizer()
+    profile = detect_profile(tok)
+    convs = [r for r in load_records(default_out_dir() / FILES["tool"], "glaive") if not isinstance(r, Rejected)]
+    firsts = prompt_samples("tool")
+    later = turn_samples()
+    seconds, thirds = later[:len(firsts)], iter(later[len(firsts):])
+    for conv, first, second in zip(convs, firsts, seconds, strict=True):
+        expected = [first, second] + ([next(thirds)] if first.features["follow_up_recorded"] else [])
+        walk = ConversationWalk.start("s", "default", build_prompt(conv, "all_turns")[0])
+        for sample in expected:
+            rendered = render_prompt(tok, walk.history, conv.tools, profile=profile)
+            prompt_ids, output_ids = encode_sample(tok, sample)
+            assert list(rendered.prompt_ids) == prompt_ids, sample.kind
+            seg = segment_output(output_ids, "stop", profile, prompt_opens_think=rendered.opens_think,
+                                 prompt_ids=rendered.prompt_ids)
+            assert seg.kept, (sample.kind, seg.drop_reason)
+            parsed = parse_reply(output_ids, seg, tok, profile, prompt_opens_think=rendered.opens_think)
+            assert parsed.problem is None, parsed.detail
+            walk.accept(parsed.message, max_turns=8)
+        assert (walk.ended, walk.end_turn, walk.tool_results) == (COMPLETE, len(expected), 1)
+    assert next(thirds, None) is None

@@ -13,10 +13,12 @@ from eagle_assets.demo.tokenizer import CONTROL_TOKENS, GENERATION_PROMPT, train
 from eagle_assets.demo.transcripts import (
     KINDS,
     DONE_LINE,
+    TURN_KINDS,
     completion_text,
     generate_mixture,
     generate_samples,
     tool_call_text,
+    tool_turns,
 )
 
 
@@ -30,7 +32,7 @@ def tokenizer():
 
 
 def test_generation_is_deterministic_per_seed():
-    for kind in KINDS:
+    for kind in KINDS + TURN_KINDS:
         a, b = generate_samples(kind, 5, seed=3), generate_samples(kind, 5, seed=3)
         assert a == b
         assert a != generate_samples(kind, 5, seed=4)
@@ -145,3 +147,67 @@ def test_check_reply_rules(tokenizer):
     for reason, (text, expect_tool) in cases.items():
         verdict = check_reply(ids(text), tokenizer, expect_tool_call=expect_tool)
         assert (verdict.ok, verdict.reason) == (False, reason), text[-120:]
+
+
+def test_tool_conversations_go_on_after_the_call():
+    for first in generate_samples("tool", 30, seed=0):
+        second, third = tool_turns(first)
+        response, final = first.features["function_response"]
+        # Turn 2: the call and its recorded result are the history; the answer uses the result.
+        assert second.messages[:len(first.messages)] == first.messages
+        assert second.messages[-2] == first.reply_message()
+        assert second.messages[-1] == {"role": "tool", "content": json.dumps(response)}
+        assert json.dumps(response) in second.reasoning and second.content == final
+        # Turn 3: a follow-up question about that answer, answered without a tool.
+        question, reasoning, answer = first.features["follow_up"]
+        assert third.messages[:-2] == second.messages and third.messages[-2] == second.reply_message()
+        assert third.messages[-1] == {"role": "user", "content": question}
+        assert (third.reasoning, third.content) == (reasoning, answer)
+        for later in (second, third):
+            text = completion_text(later)
+            assert text.count("</think>") == 1 and "<think>" not in text and "<tool_call>" not in text
+            assert later.tool_calls is None and later.content.strip() and later.tools == first.tools
+    # The turn-kind streams are tool conversations of their own (not the tool stream's).
+    assert generate_samples("tool_result", 3, seed=0) != [tool_turns(f)[0] for f in generate_samples("tool", 3, seed=0)]
+    assert {s.features["turn"] for s in generate_samples("follow_up", 5, seed=0)} == {3}
+
+
+def test_template_keeps_reasoning_only_after_the_last_user_turn(tokenizer):
+    first = generate_samples("tool", 1, seed=2)[0]
+    second, third = tool_turns(first)
+
+    def render(sample):
+        return tokenizer.apply_chat_template(sample.messages, tools=sample.tools, add_generation_prompt=True,
+                                             tokenize=False)
+
+    # Inside the tool chain (after the last user turn) turn 1's reasoning stays: turn 2's prompt extends turn 1's
+    # prompt by exactly the reply the model wrote.
+    assert render(second).startswith(render(first) + completion_text(first) + "\n<|im_start|>user\n<tool_response>")
+    # Before the follow-up question both earlier replies render without their reasoning (Qwen3's rule).
+    turn3 = render(third)
+    assert first.reasoning not in turn3 and second.reasoning not in turn3
+    assert turn3.count("<think>") == 1 and turn3.endswith("<|im_start|>assistant\n<think>")
+    assert "<|im_start|>assistant\n" + tool_call_text(first.tool_calls[0]) + "<|im_end|>" in turn3
+    assert "<|im_start|>assistant\n" + second.content + "<|im_end|>" in turn3
+
+
+def test_a_tool_chain_trains_both_replies_in_one_row(tokenizer):
+    import random
+
+    from eagle_assets.demo.build import DemoRecipe, encode_sample, encode_tool_chain, training_row
+
+    for second in generate_samples("tool_result", 5, seed=3):
+        first = second.features["first"]
+        ids, n_prompt, spans = encode_tool_chain(tokenizer, second)
+        p1, r1 = encode_sample(tokenizer, first)
+        p2, r2 = encode_sample(tokenizer, second)
+        assert ids[:n_prompt] == p1 and ids == p2 + r2
+        (a0, a1, reply1), (b0, b1, between), (c0, c1, reply2) = spans
+        assert (reply1, between, reply2) == (True, False, True)
+        assert ids[n_prompt + a0:n_prompt + a1] == r1 and ids[n_prompt + c0:n_prompt + c1] == r2
+        assert n_prompt + c1 == len(ids) and ids[:n_prompt + c0] == p2
+        recipe = DemoRecipe()
+        row_ids, row_prompt, weights, flags = training_row(tokenizer, second, random.Random(0), recipe)
+        assert (row_ids, row_prompt) == (ids, n_prompt) and len(weights) == len(flags) == len(ids) - n_prompt
+        assert sum(flags) == len(r1) + len(r2)
+        assert set(w for w, f in zip(weights, flags) if not f) == {recipe.prompt_loss_weight}

@@ -117,6 +117,7 @@ def pipeline(demo_target, tmp_path_factory):
     shutil.copy(REPO_ROOT / "catalogs" / "demo_data" / "B2_opencodeinstruct.jsonl", data / "B2_code.jsonl")
     base = yaml.safe_load((REPO_ROOT / "catalogs" / "default.yaml").read_text())
     b1, b2 = base["partitions"]["B1_glaive"], base["partitions"]["B2_opencodeinstruct"]
+    b1["prompt_policy"] = "last_user"  # one row per conversation: the counts below are per prompt
     for spec, src in ((b1, {"path": "data/B1_glaive.json", "format": "glaive"}),
                       (b2, {"path": "data/B2_code.jsonl", "format": "opencodeinstruct"})):
         spec.update(sources=[src], limit=4, thresholds={**spec.get("thresholds", {}), **LOOSE})

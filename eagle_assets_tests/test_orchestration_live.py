@@ -126,6 +126,7 @@ def _catalog(root: Path, target: Path) -> Path:
     shutil.copy(REPO_ROOT / "catalogs" / "demo_data" / "B2_opencodeinstruct.jsonl", data / "B2_code.jsonl")
     base = yaml.safe_load((REPO_ROOT / "catalogs" / "default.yaml").read_text())
     b1, b2 = base["partitions"]["B1_glaive"], base["partitions"]["B2_opencodeinstruct"]
+    b1["prompt_policy"] = "last_user"  # one row per conversation: the counts below are per prompt
     # These tests are about orchestration, not about the demo target's quality (test_pipeline_e2e gates that):
     # open QC gates keep every run green as long as a reply comes back.
     loose = {"min_median_tokens": 0, "max_share_short_warn": 1.0, "max_share_short_error": 1.0,

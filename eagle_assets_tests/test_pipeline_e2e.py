@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from eagle_assets.definitions import PARTITION_JOB, TRAINING_JOB, build_definitions
+from eagle_assets.demo.tokenizer import CONTROL_TOKENS
 from eagle_assets.storage import read_shards
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -19,6 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def _catalog(tmp_path: Path) -> Path:
     base = yaml.safe_load((REPO_ROOT / "catalogs" / "default.yaml").read_text())
     b1 = base["partitions"]["B1_glaive"]
+    b1["prompt_policy"] = "last_user"  # the single-turn path; all_turns end to end: test_multi_turn_pipeline.py
     b1["sources"] = [{"path": str(REPO_ROOT / "catalogs" / "demo_data" / "B1_glaive.json"), "format": "glaive"}]
     b1["limit"] = 12
     cut = json.loads(json.dumps(b1))
@@ -65,7 +67,10 @@ def test_partition_end_to_end(pipeline):
         # The training row is exactly prompt ids + the server's output ids, never re-tokenized text.
         assert row["input_ids"] == prompt_ids + output_ids
         assert row["loss_mask"] == [0] * len(prompt_ids) + [1] * len(output_ids)
-        assert row["tool_call_tokens"] > 0  # the demo target answers function-calling prompts with a tool call
+        # The demo target answers a function-calling request with a tool call, and the follow-up question of a B1
+        # conversation (its last_user prompt holds the recorded call's <tool_response>) with a plain answer.
+        follow_up = CONTROL_TOKENS.index("<tool_response>") in prompt_ids
+        assert (row["tool_call_tokens"] > 0) == (not follow_up)
     report = (store / "length_report" / "report.md").read_text()
     assert "| B1_glaive | total | 12 |" in report
 

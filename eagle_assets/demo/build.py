@@ -56,8 +56,8 @@ class DemoRecipe:
     ``vocab_multiple`` pads ``config.vocab_size`` past ``len(tokenizer)`` as real checkpoints do (Qwen3: 151,936
     embedding rows for 151,669 tokens), so consumers must not assume the two are equal.
 
-    Training (717 AdamW steps; about 155 CPU seconds in each of two worker processes, see
-    :mod:`eagle_assets.demo.trainer`): ``train_counts`` fresh transcripts per kind, each seen once, in
+    Training (about 800 AdamW steps over 1,700 transcripts, 642k tokens; about 230 CPU seconds in each of two
+    worker processes, see :mod:`eagle_assets.demo.trainer`): ``train_counts`` fresh transcripts per kind, each seen once, in
     length-sorted batches of at most ``batch_tokens`` padded tokens (two shards of half that); linear warmup, then
     cosine decay to ``min_lr_ratio * lr``. The loss covers prompt tokens at ``prompt_loss_weight`` (prompts are
     made of the same templated sentences, so they teach the language at no extra forward cost) and reply tokens at
@@ -65,6 +65,16 @@ class DemoRecipe:
     than its token count would give it). In a ``counter_repeat_prob`` share of transcripts one count-down line is
     written twice with the copy excluded from the loss (:func:`encode_training_sample`), which teaches the model to
     recover from its own miscounts instead of looping.
+
+    Conversations in turns (issue 13): a ``tool_result`` transcript is a whole tool chain in one row (the call,
+    its recorded result, the answer that uses it: :func:`encode_tool_chain`), so it teaches the turn-1 call as
+    well; ``follow_up`` transcripts are turn 3 (a second user question after the answer). The mix moved tool
+    transcripts from 600 single calls to 100 single calls + 300 chains + 200 follow-ups (400 calls, 300 answers
+    from a result, 200 follow-up answers). With 340 math transcripts (the single-turn recipe's count) in that mix
+    the gate saw 48/50 math replies well-formed (a stray ``</think>`` / ``<|im_end|>`` inside the count-down) and
+    every tool, ``tool_result`` and ``follow_up`` reply well-formed; 420 math transcripts with 260 chains and 160
+    follow-ups fixed math (50/50) but left one follow-up reply of 26 with two ``</think>``; so 420 math and the
+    full 300 + 200, about 13% more tokens than the single-turn recipe's 717 steps.
 
     Why 1024-token batches: with the same transcripts, 2048-token batches (365 steps) left the model one or two
     structure failures short of the gate per 50 reasoning prompts, and 1.5 times the transcripts at 2048 tokens
@@ -77,8 +87,9 @@ class DemoRecipe:
         """
 
     seed: int = 0
-    train_counts: tuple[tuple[str, int], ...] = (("tool", 600), ("code", 340), ("math", 340), ("reasoning", 340))
-    reply_weights: tuple[tuple[str, float], ...] = (("tool", 2.0),)
+    train_counts: tuple[tuple[str, int], ...] = (("tool", 100), ("code", 340), ("math", 420), ("reasoning", 340),
+                                                 ("tool_result", 300), ("follow_up", 200))
+    reply_weights: tuple[tuple[str, float], ...] = (("tool", 2.0), ("tool_result", 2.0), ("follow_up", 2.0))
     counter_repeat_prob: float = 0.3
     tokenizer_corpus_per_kind: int = 150
     vocab_size: int = 2048
@@ -275,6 +286,66 @@ def encode_sample(tokenizer, sample: DemoSample) -> tuple[list[int], list[int]]:
 _COUNTER_LINE = re.compile(r"^\d+ to go: ")
 
 
+def encode_tool_chain(tokenizer, second: DemoSample) -> tuple[list[int], int, list[tuple[int, int, bool]]]:
+    """(ids, number of turn-1 prompt ids, spans) of a whole tool chain in one training row: turn 1's prompt, its
+    reply (the call), the call's result, the generation prompt, then turn 2's reply (``second``, a
+    ``tool_result`` sample).
+
+    The template keeps turn 1's reasoning in turn 2's prompt (it is after the last user turn), so turn 2's prompt
+    is exactly turn 1's prompt + turn 1's reply + ``"\n"`` + the result turn + the generation prompt: one row
+    teaches both replies, each exactly as generated and as ``all_turns`` renders it back. ``spans`` are
+    ``(start, end, is_reply)`` over ``ids[n_prompt:]``: the two replies (True) and the result turn between them
+    (False, a prompt part). Each part is tokenized on its own; the parts meet at control tokens, so the ids equal
+    the tokenization of the whole text (checked).
+
+    Raises:
+        ValueError: the template does not render turn 2's prompt as that extension of turn 1's (a template
+            change that breaks this, e.g. one that drops reasoning inside a tool chain).
+    """
+    first = second.features["first"]
+
+    def render(sample: DemoSample) -> str:
+        return tokenizer.apply_chat_template(sample.messages, tools=sample.tools, add_generation_prompt=True,
+                                             tokenize=False)
+
+    p1, c1, p2 = render(first), completion_text(first), render(second)
+    if not p2.startswith(p1 + c1):
+        raise ValueError("the demo chat template does not render a tool chain's turn-2 prompt as turn 1's prompt "
+                         "+ turn 1's reply + the result; encode the turns as separate rows")
+    def enc(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    prompt, reply1, between, reply2 = enc(p1), enc(c1), enc(p2[len(p1 + c1):]), enc(completion_text(second))
+    if prompt + reply1 + between != enc(p2):
+        raise ValueError("a tool chain's parts tokenize differently from its whole turn-2 prompt")
+    a, b = len(reply1), len(reply1) + len(between)
+    return (prompt + reply1 + between + reply2, len(prompt),
+            [(0, a, True), (a, b, False), (b, b + len(reply2), True)])
+
+
+def training_row(tokenizer, sample: DemoSample, rng: random.Random, recipe: "DemoRecipe"
+                 ) -> tuple[list[int], int, list[float], list[bool]]:
+    """(ids, number of prompt ids, loss weight per later id, reply flag per later id) of one training transcript.
+
+    A ``tool_result`` sample is its whole chain (:func:`encode_tool_chain`: the call at the ``tool`` reply weight,
+    the result turn at ``prompt_loss_weight``, the answer at its own weight); every other sample is its prompt and
+    reply (:func:`encode_training_sample`, with the masked repeated count line). Weights come from
+    ``recipe.reply_weights`` (default 1.0).
+    """
+    weight = dict(recipe.reply_weights)
+    if sample.kind == "tool_result":
+        ids, n_prompt, spans = encode_tool_chain(tokenizer, sample)
+        w: list[float] = []
+        flags: list[bool] = []
+        for (start, end, is_reply), kind in zip(spans, ("tool", None, "tool_result")):
+            w += [weight.get(kind, 1.0) if is_reply else recipe.prompt_loss_weight] * (end - start)
+            flags += [is_reply] * (end - start)
+        return ids, n_prompt, w, flags
+    ids, n_prompt, learn = encode_training_sample(tokenizer, sample, rng, recipe.counter_repeat_prob)
+    kind_w = weight.get(sample.kind, 1.0)
+    return ids, n_prompt, [kind_w if flag else 0.0 for flag in learn], list(learn)
+
+
 def encode_training_sample(tokenizer, sample: DemoSample, rng: random.Random,
                            repeat_prob: float) -> tuple[list[int], int, list[bool]]:
     """(ids, number of prompt ids, per-reply-token "learn" flags) of one training transcript.
@@ -306,7 +377,7 @@ def encode_training_sample(tokenizer, sample: DemoSample, rng: random.Random,
     return prompt + ids, len(prompt), learn
 
 
-def _plan_steps(rows: list[tuple[list[int], int, list[float]]], recipe: DemoRecipe,
+def _plan_steps(rows: list[tuple[list[int], int, list[float], list[bool]]], recipe: DemoRecipe,
                 rng: random.Random) -> list[dict[str, Any]]:
     """The optimizer steps: ``[{"shards": [rows of shard 0, rows of shard 1], "lr", "weighted_tokens"}]``.
 
@@ -346,7 +417,7 @@ def _plan_steps(rows: list[tuple[list[int], int, list[float]]], recipe: DemoReci
         return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     def weighted(i: int) -> int:
-        ids, n_prompt, reply_w = rows[i]
+        ids, n_prompt, reply_w = rows[i][:3]
         return max(0, n_prompt - 1) * (recipe.prompt_loss_weight > 0) + sum(w > 0 for w in reply_w)
 
     return [{"shards": pair, "lr": lr_at(n), "weighted_tokens": sum(weighted(i) for shard in pair for i in shard)}
@@ -363,14 +434,9 @@ def _build_into(out: Path, recipe: DemoRecipe, digest: str, log: Callable[[str],
     log(f"tokenizer: {len(tokenizer)} tokens ({time.monotonic() - t0:.1f}s)")
 
     samples = generate_mixture(dict(recipe.train_counts), recipe.seed)
-    # rows: (ids, number of prompt ids, loss weight per reply token)
-    rows: list[tuple[list[int], int, list[float]]] = []
-    reply_weight = dict(recipe.reply_weights)
+    # rows: (ids, number of prompt ids, loss weight per later token, reply flag per later token)
     noise_rng = random.Random(f"repeat/{recipe.seed}")
-    for s in samples:
-        ids, n_prompt, learn = encode_training_sample(tokenizer, s, noise_rng, recipe.counter_repeat_prob)
-        w = reply_weight.get(s.kind, 1.0)
-        rows.append((ids, n_prompt, [w if flag else 0.0 for flag in learn]))
+    rows = [training_row(tokenizer, s, noise_rng, recipe) for s in samples]
 
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)

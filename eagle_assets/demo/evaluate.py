@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_assets.demo.tokenizer import EOS_TOKEN, PAD_TOKEN
-from eagle_assets.demo.transcripts import KINDS, DemoSample
+from eagle_assets.demo.transcripts import ALL_KINDS, KINDS, PARTITION_KIND, DemoSample
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def evaluate_target(model_dir: Path, samples: list[DemoSample], max_new_tokens: 
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_causal_lm(str(model_dir), dtype=dtype)
-    caps = {kind: max_new_tokens for kind in KINDS} if isinstance(max_new_tokens, int) else dict(max_new_tokens)
+    caps = {kind: max_new_tokens for kind in ALL_KINDS} if isinstance(max_new_tokens, int) else dict(max_new_tokens)
     prompts = [encode_sample(tokenizer, s)[0] for s in samples]
     replies = generate_replies(model, tokenizer, prompts, [caps[s.kind] for s in samples], temperature, seed)
     return summarize_replies(samples, replies, tokenizer, caps)
@@ -159,7 +159,7 @@ def summarize_replies(samples: list[DemoSample], replies: list[list[int]], token
     "failures": {reason: count}, "examples": [last 160 characters of up to 2 failed replies]}``; ``at_cap``
     counts replies of ``cap`` tokens (cut off, or ending exactly there)."""
     report: dict[str, Any] = {}
-    for kind in KINDS:
+    for kind in ALL_KINDS:
         pairs = [(r, check_reply(r, tokenizer, s.kind == "tool")) for s, r in zip(samples, replies) if s.kind == kind]
         if not pairs:
             continue
@@ -185,7 +185,8 @@ GATE_MIN_STRUCTURE_RATE = 0.98
 
 def default_catalog_caps() -> dict[str, int]:
     """``sampling.max_new_tokens`` per demo kind in the shipped ``catalogs/default.yaml`` (the partition whose
-    source file is that kind's demo file), so the gate tests the caps the default run generates with.
+    source file is that kind's demo file; the later turns of tool conversations, ``TURN_KINDS``, take the tool
+    partition's), so the gate tests the caps the default run generates with.
 
     Raises:
         FileNotFoundError: the repository's ``catalogs/default.yaml`` is absent (a non-editable install).
@@ -203,14 +204,17 @@ def default_catalog_caps() -> dict[str, int]:
                 break
         else:
             raise KeyError(f"catalogs/default.yaml has no partition reading demo_data/{name}")
-    return caps
+    return {kind: caps[PARTITION_KIND[kind]] for kind in ALL_KINDS}
 
 
 def gate_samples() -> list[DemoSample]:
-    """Every well-formed prompt of the committed demo files (``catalogs/demo_data/*``), all kinds, file order."""
-    from eagle_assets.demo.raw_samples import prompt_samples
+    """Every well-formed prompt of the committed demo files (``catalogs/demo_data/*``), all kinds, file order:
+    the turn-1 prompts of the four files, then the later turns of the B1 conversations
+    (``raw_samples.turn_samples``: turn 2 after the recorded call result, turn 3 after a recorded follow-up),
+    whose history holds the reference replies as a client sends them back."""
+    from eagle_assets.demo.raw_samples import prompt_samples, turn_samples
 
-    return [s for kind in KINDS for s in prompt_samples(kind)]
+    return [s for kind in KINDS for s in prompt_samples(kind)] + turn_samples()
 
 
 def gate_report(model_dir: Path) -> dict[str, Any]:
@@ -251,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model_dir or build_demo_target()
     if args.fresh_seed is None:
         everything = gate_samples()
-        samples = [s for kind in KINDS for s in [t for t in everything if t.kind == kind][:args.per_kind]]
+        samples = [s for kind in ALL_KINDS for s in [t for t in everything if t.kind == kind][:args.per_kind]]
     else:
-        samples = [s for kind in KINDS for s in generate_samples(kind, args.per_kind, args.fresh_seed)]
+        samples = [s for kind in ALL_KINDS for s in generate_samples(kind, args.per_kind, args.fresh_seed)]
     caps = args.max_new_tokens or default_catalog_caps()
     report = evaluate_target(model_dir, samples, caps, args.temperature, dtype=args.dtype)
     json.dump({"report": report, "gate_failures": gate_failures(report)}, sys.stdout, indent=2)

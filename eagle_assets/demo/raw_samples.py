@@ -12,7 +12,9 @@ Files and their layouts:
   are a helpful assistant with access to the following functions. Use them if required -\\n{4-space indented
   function schema}\\n\\n{...}\\n", "chat": "USER: ...\\n\\n\\nASSISTANT: <functioncall> {\\"name\\": ...,
   \\"arguments\\": '{...}'} <|endoftext|>\\n\\n\\nFUNCTION RESPONSE: {...}\\n\\n\\nASSISTANT: ... <|endoftext|>\\n\\n\\n"}``
-  (arguments wrapped in single quotes, as glaive writes them).
+  (arguments wrapped in single quotes, as glaive writes them). Every call has its recorded result; about 60% of
+  the conversations go on with a follow-up ``USER:`` question and its ``ASSISTANT:`` answer (the generator's turn 3,
+  :func:`eagle_assets.demo.transcripts.tool_turns`), so an ``all_turns`` partition replays two or three turns.
 - ``B2_opencodeinstruct.jsonl`` -- nvidia/OpenCodeInstruct: ``id``, ``input`` (the instruction), ``output`` (the
   solution), ``domain``, ``generation_algorithm``, ``llm_judgement`` (a JSON string), ``unit_tests`` (a JSON string
   holding a list of asserts), ``tests_execution_status`` (a JSON string), ``average_test_score`` (a string), as the
@@ -52,6 +54,7 @@ from eagle_assets.demo.transcripts import (
     DemoSample,
     function_schema,
     generate_samples,
+    tool_turns,
 )
 
 RAW_SEED = 2024
@@ -86,11 +89,15 @@ def glaive_record(sample: DemoSample) -> dict[str, str]:
             f"ASSISTANT: <functioncall> {{\"name\": \"{call['name']}\", \"arguments\": '{args}'}} <|endoftext|>\n\n\n"
             f"FUNCTION RESPONSE: {json.dumps(response)}\n\n\n"
             f"ASSISTANT: {final} <|endoftext|>\n\n\n")
+    if sample.features["follow_up_recorded"]:
+        question, _, answer = sample.features["follow_up"]
+        chat += f"USER: {question}\n\n\nASSISTANT: {answer} <|endoftext|>\n\n\n"
     return {"system": f"SYSTEM: {GLAIVE_SYSTEM}\n{schemas}\n", "chat": chat}
 
 
 def _glaive_malformed(sample: DemoSample, row: int) -> dict[str, str]:
-    rec = glaive_record(sample)
+    # Without a follow-up: its USER turn would give the row-3 record (no USER: turn first) a user turn to keep.
+    rec = glaive_record(dataclasses.replace(sample, features={**sample.features, "follow_up_recorded": False}))
     if row == MALFORMED_ROWS[0]:
         rec["chat"] = rec["chat"].split("ASSISTANT: ", 1)[1]
         rec["chat"] = "ASSISTANT: " + rec["chat"]
@@ -219,6 +226,26 @@ def prompt_samples(kind: str) -> list[DemoSample]:
         if system:
             messages = [{"role": "system", "content": system}] + messages
         out.append(dataclasses.replace(s, messages=messages))
+    return out
+
+
+def turn_samples() -> list[DemoSample]:
+    """The later turns of the committed B1 conversations, in file order: turn 2 (``tool_result``: the reference
+    call and its recorded result, as ``all_turns`` splices it) of every conversation, then turn 3
+    (``follow_up``) of those whose record holds a follow-up question. Turn 3's prompt is also the ``last_user``
+    prompt of that record (its history renders without reasoning either way)."""
+    firsts = prompt_samples("tool")
+    turns = [tool_turns(s) for s in firsts]
+    return ([second for second, _ in turns]
+            + [third for s, (_, third) in zip(firsts, turns) if s.features["follow_up_recorded"]])
+
+
+def last_user_samples(kind: str) -> list[DemoSample]:
+    """What a ``prompt_policy: last_user`` partition over the committed file of ``kind`` generates for, in file
+    order: the turn-1 sample, or for a B1 conversation recording a follow-up its turn-3 ``follow_up`` sample."""
+    out = []
+    for s in prompt_samples(kind):
+        out.append(tool_turns(s)[1] if kind == "tool" and s.features["follow_up_recorded"] else s)
     return out
 
 

@@ -16,7 +16,7 @@ whatever the machine's load, the caller's thread settings, or how many cores the
   two cores make the build about twice as fast without changing it.
 
 Files in the work directory (written by the build): ``job.json`` (model config, optimizer settings, the step plan),
-``rows.json`` (``[ids, n_prompt, reply weights]`` per transcript) and, when the build gates the target,
+``rows.json`` (``[ids, n_prompt, weights, reply flags]`` per transcript) and, when the build gates the target,
 ``gate.json`` (``{"prompts": [[ids]...], "caps": [...]}``). Rank 0 saves the model into ``job["out"]`` and writes
 ``train.json``; every rank then generates the gate replies of its share of the prompts (``gate-<rank>.json``), with
 the embedded server's decoder in float64 (:func:`eagle_assets.demo.evaluate.generate_replies`).
@@ -46,21 +46,24 @@ def _log(rank: int, msg: str) -> None:
 
 
 def _shard_tensors(rows: list[list[Any]], shard: list[int], pad_id: int, prompt_loss_weight: float):
-    """(ids [B, T] int64, weights [B, T-1] float32 per target token, reply mask [B, T-1] bool) of one shard."""
+    """(ids [B, T] int64, weights [B, T-1] float32 per target token, reply mask [B, T-1] bool) of one shard.
+
+    A row is ``[ids, n_prompt, weights of ids[n_prompt:], reply flags of ids[n_prompt:]]`` (the flags pick the
+    tokens the logged reply loss averages: a multi-turn row has prompt parts between its replies)."""
     import torch
 
     width = max(len(rows[i][0]) for i in shard)
     ids = torch.full((len(shard), width), pad_id, dtype=torch.long)
     weights = torch.zeros((len(shard), width), dtype=torch.float32)
     for r, i in enumerate(shard):
-        seq, n_prompt, reply_w = rows[i]
+        seq, n_prompt, reply_w = rows[i][:3]
         ids[r, :len(seq)] = torch.tensor(seq)
         weights[r, 1:n_prompt] = prompt_loss_weight
         weights[r, n_prompt:len(seq)] = torch.tensor(reply_w, dtype=torch.float32)
     is_reply = torch.zeros_like(weights, dtype=torch.bool)
     for r, i in enumerate(shard):
-        seq, n_prompt, reply_w = rows[i]
-        is_reply[r, n_prompt:len(seq)] = torch.tensor(reply_w) > 0
+        seq, n_prompt, _, flags = rows[i]
+        is_reply[r, n_prompt:len(seq)] = torch.tensor(flags, dtype=torch.bool)
     return ids, weights[:, 1:], is_reply[:, 1:]
 
 

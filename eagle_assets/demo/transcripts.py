@@ -32,6 +32,21 @@ The reply follows the Qwen3 layout that ``chat_template.jinja`` renders for assi
 generation prompt ``<|im_start|>assistant\n<think>`` the model writes ``\n{reasoning}\n</think>\n\n`` then the
 answer text or ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``, then ``<|im_end|>``
 (:func:`completion_text`).
+
+Conversations in turns (:data:`TURN_KINDS`, issue 13): a ``tool`` conversation goes on after its call
+(:func:`tool_turns`), as glaive's do and as the ``all_turns`` prompt policy replays it:
+
+- ``tool_result`` (turn 2): the history holds the turn-1 reply (reasoning kept: the template keeps the reasoning of
+  assistant turns after the last user turn, as Qwen3's does) and the call's result as a ``tool`` message
+  (``json.dumps`` of the function response, the text glaive's ``FUNCTION RESPONSE`` block carries); the reply
+  reads the result back and answers with it (~40-55 tokens).
+- ``follow_up`` (turn 3): the user asks a second question about that answer (which function was used, the raw
+  result, say it again, thanks); the history's assistant turns come before the last user turn, so the template
+  renders them without their reasoning, exactly as the dataset's own turns (the ``last_user`` prompt of a glaive
+  record with that follow-up) render; the reply answers from the history (~35-50 tokens).
+
+The committed B1 file records every call's result and, for about 60% of its conversations, the follow-up
+(``features["follow_up_recorded"]``); training draws both later turns for every conversation.
 """
 
 from __future__ import annotations
@@ -41,13 +56,22 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-# Bump when the generated text changes; it is part of the demo target's recipe hash.
-GENERATOR_VERSION = "2"
+# Bump when the generated text changes; it is part of the demo target's recipe hash. Version 3 added the later turns
+# of tool conversations (TURN_KINDS); the turn-1 prompts and replies of every kind are unchanged.
+GENERATOR_VERSION = "3"
 # Names the random streams. Kept when the text changes (version 2 only reworded the reasoning lines), so the same
 # seed still draws the same prompts: the committed demo prompts and every figure measured on them stay comparable.
 _STREAM = "1"
 
+# One kind per demo partition (the turn-1 prompts of its source file).
 KINDS: tuple[str, ...] = ("tool", "code", "math", "reasoning")
+# Later turns of a tool conversation (see the module doc); served by the tool partition, so they share its cap.
+TURN_KINDS: tuple[str, ...] = ("tool_result", "follow_up")
+ALL_KINDS: tuple[str, ...] = KINDS + TURN_KINDS
+# The partition kind each kind's prompts come from.
+PARTITION_KIND: dict[str, str] = {**{k: k for k in KINDS}, **{k: "tool" for k in TURN_KINDS}}
+# Share of the committed B1 conversations whose file records the follow-up turn.
+FOLLOW_UP_RECORDED_SHARE = 0.6
 
 # glaive-function-calling-v2 opens every system prompt with exactly this sentence; the glaive loader keeps it as
 # the system turn and moves the embedded function schemas into ``tools``.
@@ -144,15 +168,19 @@ class DemoSample:
     """One synthetic conversation: a prompt and the reply the demo target learns to give.
 
     Attributes:
-        kind: one of :data:`KINDS`.
-        messages: prompt messages (OpenAI style; an optional system turn, then one user turn).
+        kind: one of :data:`ALL_KINDS`.
+        messages: prompt messages (OpenAI style; an optional system turn, then one user turn; for
+            :data:`TURN_KINDS` the conversation so far, see :func:`tool_turns`).
         tools: OpenAI tool schemas (``tool`` kind) or None.
         reasoning: the reasoning text (what goes between ``<think>`` and ``</think>``, without the newlines
             the template adds around it).
         content: the answer text after ``</think>`` ("" for tool calls).
         tool_calls: ``[{"type": "function", "function": {"name", "arguments": dict}}]`` or None.
         features: the prompt features the reply length is tied to (``n_items``: steps/clues/cases/arguments) and
-            kind-specific facts used to write native dataset records (function response, op, answer...).
+            kind-specific facts used to write native dataset records (function response, op, answer...). A
+            ``tool`` sample also holds its later turns' text (``follow_up``: question, reasoning, answer;
+            ``follow_up_recorded``: whether the committed file records it); a :data:`TURN_KINDS` sample holds
+            ``turn`` (2 or 3) and ``first`` (the turn-1 ``tool`` sample it continues).
     """
 
     kind: str
@@ -214,11 +242,83 @@ def _tool_sample(rng: random.Random) -> DemoSample:
         messages.append({"role": "system", "content": GLAIVE_SYSTEM})
     messages.append({"role": "user", "content": user})
     call = {"type": "function", "function": {"name": name, "arguments": args}}
+    response = _function_response(name, args, rng)
     return DemoSample(
         kind="tool", messages=messages, tools=tools, reasoning=" ".join(lines), content="", tool_calls=[call],
-        features={"n_items": len(args), "function": name, "function_names": names,
-                  "function_response": _function_response(name, args, rng)},
+        features={"n_items": len(args), "function": name, "function_names": names, "function_response": response,
+                  **_follow_up(name, args, goal.format(**args), response, user)},
     )
+
+
+# follow-up question kind -> (user texts, reasoning line, answer); {call}: "the function NAME with the ARG VALUE",
+# {result}: the function response as the tool message carries it, {final}: the turn-2 answer, {goal}: the request.
+_FOLLOW_UPS: dict[str, tuple[list[str], str, str]] = {
+    "which": (["Which function did you use for that?", "How did you find that out?"],
+              "I called {call}.", "I used {call}."),
+    "raw": (["What did the function return exactly?", "Can you show me the raw result?"],
+            "The function returned {result}.", "The function returned {result}."),
+    "repeat": (["Can you say that again?", "Sorry, can you repeat your answer?"],
+               "My last answer was: {final}", "{final}"),
+    "thanks": (["Thank you!", "Thanks, that helps."],
+               "The user thanks me for the answer.", "You are welcome. I am glad I could help with {goal}."),
+}
+
+
+def _follow_up(name: str, args: dict[str, Any], goal: str, response: tuple[dict[str, Any], str],
+               user: str) -> dict[str, Any]:
+    """The follow-up turn of a tool conversation, drawn from its own stream keyed by the conversation's text (so
+    adding it left every turn-1 sample of the ``tool`` stream as it was)."""
+    rng = random.Random(f"eagle-assets-demo/{_STREAM}/follow-up/{user}/{name}/{json.dumps(args)}")
+    result, final = json.dumps(response[0]), response[1]
+    kind = rng.choice(sorted(_FOLLOW_UPS))
+    questions, line, answer = _FOLLOW_UPS[kind]
+    call = "the function " + name + "".join(f" with the {arg} {value}" for arg, value in args.items())
+    facts = {"call": call, "result": result, "final": final, "goal": goal}
+    reasoning = " ".join([f"The user has a follow-up question about {goal}.", line.format(**facts),
+                          "I will answer from the earlier turns."])
+    return {"follow_up": (rng.choice(questions), reasoning, answer.format(**facts)),
+            "follow_up_recorded": rng.random() < FOLLOW_UP_RECORDED_SHARE}
+
+
+def tool_result_message(first: DemoSample) -> dict[str, Any]:
+    """The ``tool`` message answering ``first``'s call: ``json.dumps`` of the recorded function response."""
+    return {"role": "tool", "content": json.dumps(first.features["function_response"][0])}
+
+
+def tool_turns(first: DemoSample) -> tuple[DemoSample, DemoSample]:
+    """The later turns of the ``tool`` conversation ``first``: (turn 2 ``tool_result``, turn 3 ``follow_up``).
+
+    Turn 2's prompt is ``first``'s prompt, ``first``'s reply (:meth:`DemoSample.reply_message`, reasoning and
+    call) and the call's result (:func:`tool_result_message`); its reply reads the result back, then answers with
+    the sentence glaive's second ASSISTANT block holds. Turn 3's prompt adds that reply and the follow-up question.
+    The messages are what a client sends back (``all_turns`` replays the model's own replies this way); the chat
+    template decides what of their reasoning the prompt keeps (see the module doc).
+    """
+    name = first.features["function"]
+    args = first.tool_calls[0]["function"]["arguments"]
+    response, final = first.features["function_response"]
+    result = json.dumps(response)
+    _, _, _, goal = _TOOLS[name]
+    reasoning = " ".join([f"The function {name} returned {result}.",
+                          f"This answers the question about {goal.format(**args)}.", "I will tell the user now."])
+    base = {"n_items": first.features["n_items"], "function": name, "first": first}
+    second = DemoSample(kind="tool_result", messages=first.messages + [first.reply_message(), tool_result_message(first)],
+                        tools=first.tools, reasoning=reasoning, content=final, tool_calls=None,
+                        features={**base, "turn": 2})
+    question, reasoning3, answer3 = first.features["follow_up"]
+    third = DemoSample(kind="follow_up", messages=second.messages + [second.reply_message(),
+                                                                     {"role": "user", "content": question}],
+                       tools=first.tools, reasoning=reasoning3, content=answer3, tool_calls=None,
+                       features={**base, "turn": 3})
+    return second, third
+
+
+def _tool_result_sample(rng: random.Random) -> DemoSample:
+    return tool_turns(_tool_sample(rng))[0]
+
+
+def _follow_up_sample(rng: random.Random) -> DemoSample:
+    return tool_turns(_tool_sample(rng))[1]
 
 
 def _function_response(name: str, args: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], str]:
@@ -371,25 +471,27 @@ def _reasoning_sample(rng: random.Random) -> DemoSample:
                       tool_calls=None, features={"n_items": k, "answer": target, "order": order})
 
 
-_MAKERS = {"tool": _tool_sample, "code": _code_sample, "math": _math_sample, "reasoning": _reasoning_sample}
+_MAKERS = {"tool": _tool_sample, "code": _code_sample, "math": _math_sample, "reasoning": _reasoning_sample,
+           "tool_result": _tool_result_sample, "follow_up": _follow_up_sample}
 
 
 def generate_samples(kind: str, n: int, seed: int) -> list[DemoSample]:
     """``n`` samples of one kind, deterministic for ``(kind, seed)``.
 
     Raises:
-        ValueError: ``kind`` is not one of :data:`KINDS`.
+        ValueError: ``kind`` is not one of :data:`ALL_KINDS`.
     """
     if kind not in _MAKERS:
-        raise ValueError(f"unknown demo kind {kind!r}; use one of {KINDS}")
+        raise ValueError(f"unknown demo kind {kind!r}; use one of {ALL_KINDS}")
     # A string seed is hashed by random.Random with sha512, stable across processes (unlike hash()).
     rng = random.Random(f"eagle-assets-demo/{_STREAM}/{kind}/{seed}")
     return [_MAKERS[kind](rng) for _ in range(n)]
 
 
 def generate_mixture(counts: int | dict[str, int], seed: int) -> list[DemoSample]:
-    """Samples of every kind (``counts`` per kind, or one count for all), interleaved in a seeded random order."""
-    per_kind = counts if isinstance(counts, dict) else {kind: counts for kind in KINDS}
-    out = [s for kind in KINDS for s in generate_samples(kind, per_kind.get(kind, 0), seed)]
+    """Samples of every kind of :data:`ALL_KINDS` (``counts`` per kind, or one count for all), interleaved in a
+    seeded random order."""
+    per_kind = counts if isinstance(counts, dict) else {kind: counts for kind in ALL_KINDS}
+    out = [s for kind in ALL_KINDS for s in generate_samples(kind, per_kind.get(kind, 0), seed)]
     random.Random(f"eagle-assets-demo/mix/{seed}").shuffle(out)
     return out
