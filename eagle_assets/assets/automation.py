@@ -18,8 +18,8 @@ What replaced the hand-written sensors (see docs/scaling.md):
 - ``training_sensor`` launched ``training_job`` once every partition had fresh QC: now ``draft_vocab``,
   ``training_mix`` and ``drafter_checkpoint`` run after any partition's QC data changed (a change that happened,
   never one merely requested in the same tick), once no ``qc_shards`` partition is missing or in a run or
-  backfill (``~any_deps_missing``, ``~any_deps_in_progress``), and never twice at once (``~in_progress``). A partition whose QC failed is left out by the assets themselves (``passing_partitions``), as
-  in ``training_job``.
+  backfill (``~any_deps_missing``, ``~any_deps_in_progress``), and never twice at once (``~in_progress``). A
+  partition whose QC failed is left out by the assets themselves (``passing_partitions``), as in ``training_job``.
 
 ``length_report`` drops the missing-dependency gate: the report covers whichever partitions have QC rows and says
 which are missing, as ``partition_job`` refreshes it after every partition.

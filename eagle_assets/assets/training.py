@@ -389,8 +389,9 @@ def build_training_assets() -> list:
             unseen, unseen_note = None, None
             if t.unseen_eval is not None:
                 try:
+                    client = served.generate_client(capture) if served else None
                     unseen_rows = unseen_eval_rows(settings, target_model, model_dir, out / "unseen_eval",
-                                                   context.log.info, served_client=served.generate_client(capture) if served else None)
+                                                   context.log.info, served_client=client)
                 except (CatalogError, FormatError) as exc:
                     # A missing or unreadable eval source costs the second figure, never the checkpoint.
                     unseen_note = f"unseen-source figure skipped: {exc}"
