@@ -310,6 +310,12 @@ class GenerateClient:
                     if inspect.isawaitable(out):
                         await out
 
+        await self._run_workers(workers, worker, stats, started)
+        return stats
+
+    async def _run_workers(self, workers: int, worker: Callable, stats: Any, started: float) -> None:
+        """Run ``workers`` copies of ``worker(session)`` on one session; on any error cancel the rest and re-raise.
+        ``stats.wall_s`` is set however it ends."""
         try:
             async with self._session(workers) as session:
                 tasks = [asyncio.ensure_future(worker(session)) for _ in range(workers)]
@@ -322,7 +328,6 @@ class GenerateClient:
                     raise
         finally:
             stats.wall_s = time.monotonic() - started
-        return stats
 
     def generate_all(
         self, items: Iterable[tuple], sampling: SamplingParams, vocab_size: int | None = None,
@@ -392,18 +397,7 @@ class GenerateClient:
                 if inspect.isawaitable(out):
                     await out
 
-        try:
-            async with self._session(workers) as session:
-                tasks = [asyncio.ensure_future(worker(session)) for _ in range(workers)]
-                try:
-                    await asyncio.gather(*tasks)
-                except BaseException:
-                    for t in tasks:
-                        t.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                    raise
-        finally:
-            stats.wall_s = time.monotonic() - started
+        await self._run_workers(workers, worker, stats, started)
         return stats
 
     def post_all(self, items: Sequence[tuple[str, bytes]], parse: Callable[[str, bytes], Any]) -> list[Any]:
