@@ -11,6 +11,7 @@ root, where ``dagster.yaml`` lives, when unset), so every run shows in ``dagster
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -76,6 +77,28 @@ def check_summary_lines(result) -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def _partition_definitions(defs, catalog_path: Path, catalog):
+    """The Definitions the partition runs use: ``defs`` itself, or, when the catalog launches its server (no
+    ``server.url``) and the runs execute in this process, Definitions whose server resource launches through one
+    shared launcher, so every partition of this command talks to one server (loaded once, on first use) instead of
+    each run starting and stopping its own. The server is stopped on exit, before the training job, which on a GPU
+    host needs the memory (and launches its own in aux-capture mode when ``training.features`` is served)."""
+    from eagle_assets.definitions import build_definitions
+    from eagle_assets.k8s import executor_kind
+    from eagle_assets.serving.resource import SGLangServerResource, shared_launcher
+
+    server = catalog.server
+    if server.urls or executor_kind(None) != "in_process":
+        yield defs
+        return
+    with shared_launcher(launch=server.launch, api_key_env=server.api_key_env,
+                         extra_args=list(server.extra_args)) as key:
+        shared = SGLangServerResource(launch=server.launch, api_key_env=server.api_key_env,
+                                      extra_args=list(server.extra_args), shared=key)
+        yield build_definitions(catalog_path, storage_root=defs.resources["settings"].storage_root, sglang=shared)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     home = _ensure_dagster_home()
     if args.catalog:
@@ -108,17 +131,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"DAGSTER_HOME={home}; catalog {catalog_path}; storage {settings.storage_root}", flush=True)
     failed = []
     t_all = time.monotonic()
-    for key in keys:
-        t0 = time.monotonic()
-        result = defs.resolve_job_def(PARTITION_JOB).execute_in_process(
-            partition_key=key, instance=instance, raise_on_error=False
-        )
-        status = "ok" if result.success else "FAILED (see the check results / run logs)"
-        print(f"partition {key}: {status} in {time.monotonic() - t0:.1f} s (run {result.run_id})", flush=True)
-        for line in check_summary_lines(result):
-            print(line, flush=True)
-        if not result.success:
-            failed.append(key)
+    with _partition_definitions(defs, catalog_path, catalog) as partition_defs:
+        for key in keys:
+            t0 = time.monotonic()
+            result = partition_defs.resolve_job_def(PARTITION_JOB).execute_in_process(
+                partition_key=key, instance=instance, raise_on_error=False
+            )
+            status = "ok" if result.success else "FAILED (see the check results / run logs)"
+            print(f"partition {key}: {status} in {time.monotonic() - t0:.1f} s (run {result.run_id})", flush=True)
+            for line in check_summary_lines(result):
+                print(line, flush=True)
+            if not result.success:
+                failed.append(key)
     layout = Layout(Path(settings.storage_root), catalog_path.stem)
     report = layout.base / "length_report" / "report.md"
     if report.exists():

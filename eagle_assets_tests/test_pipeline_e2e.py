@@ -28,6 +28,9 @@ def _catalog(tmp_path: Path) -> Path:
     base["partitions"] = {"B1_glaive": b1, "B1_cut": cut}
     base["training"].update({"epochs": 2, "max_length": 512, "batch_tokens": 2048, "holdout_fraction": 0.25,
                              "acceptance_max_positions": 32})
+    base["training"]["unseen_eval"]["sources"] = [
+        {"path": str(REPO_ROOT / "catalogs" / "demo_data" / "U1_word_problems.jsonl"), "format": "gsm8k"}]
+    base["training"]["unseen_eval"]["limit"] = 8
     base["training"]["mix"]["bucket_caps"] = []  # B1 rows are all short: a cap on short rows would leave none
     path = tmp_path / "catalog.yaml"
     path.write_text(yaml.safe_dump(base))
@@ -123,8 +126,16 @@ def test_training_uses_passing_partitions_and_exports_valid_checkpoint(pipeline)
     metrics = json.loads((store / "drafter_checkpoint" / "training_metrics.json").read_text())["steps"]
     losses = [m["loss"] for m in metrics]
     assert np.mean(losses[-3:]) < np.mean(losses[:3])
-    tau = _check(result, "acceptance_length").metadata["tau_B1_glaive"].value
-    assert tau >= 1.0
+    acceptance = _check(result, "acceptance_length").metadata
+    assert acceptance["tau_B1_glaive"].value >= 1.0
+    # the unseen-source rows (decoded on a thread of their own while the drafter trained: training.threads is 1)
+    # are cached beside the checkpoint, and their figure is in the check
+    unseen_rows = pq.read_table(store / "drafter_checkpoint" / "unseen_eval" / "rows.parquet")
+    assert unseen_rows.num_rows == 8  # training.unseen_eval.limit
+    assert 1 <= acceptance["unseen"].value["rows"] <= 8  # rows reached within acceptance_max_positions
+    assert acceptance["unseen_tau"].value >= 1.0
+    logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
+    assert any(f"unseen_eval: {unseen_rows.num_rows} rows generated greedily" in m for m in logs)
 
 
 def test_training_mix_that_caps_every_row_away_fails_with_advice(pipeline, tmp_path):

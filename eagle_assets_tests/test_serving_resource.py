@@ -16,7 +16,7 @@ import pytest
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.launch import launch_server, launched_server
 from eagle_assets.serving.protocol import GenerateReply, SamplingParams
-from eagle_assets.serving.resource import SGLangServerResource
+from eagle_assets.serving.resource import SGLangServerResource, shared_launcher
 from eagle_assets.serving.tiny_model import write_tiny_causal_lm
 
 SP = SamplingParams(max_new_tokens=4, temperature=0.0)
@@ -107,6 +107,32 @@ def test_resource_launches_lazily_once_and_stops_at_teardown(model_dir, tmp_path
     assert _gone(out["pid"])  # teardown_after_execution stopped it
 
 
+def test_shared_launcher_serves_every_run_from_one_server_and_stops_at_block_end(model_dir, tmp_path):
+    """``eagle-assets run``'s partition runs: one lazily launched server outlives each run's teardown."""
+
+    @dg.asset
+    def generation(sglang: SGLangServerResource) -> dict:
+        urls = sglang.base_urls(model_dir)
+        reply = GenerateClient(urls).generate_all([("a", [7, 8])], SP)[0]
+        return {"urls": urls, "pid": sglang.launched.process.pid, "tokens": reply.completion_tokens}
+
+    log_dir = tmp_path / "logs"
+    with shared_launcher(log_dir=str(log_dir), startup_timeout_s=120) as key:
+        assert not log_dir.exists()  # nothing launched before a run asks
+        outs = []
+        for _ in range(2):
+            result = dg.materialize([generation], resources={"sglang": SGLangServerResource(shared=key)})
+            assert result.success
+            outs.append(result.output_for_node("generation"))
+            assert not _gone(outs[-1]["pid"])  # the run's teardown left the shared server running
+        assert outs[0]["urls"] == outs[1]["urls"] and outs[0]["pid"] == outs[1]["pid"]
+        assert outs[0]["tokens"] == outs[1]["tokens"] == 4
+        assert len(list(log_dir.glob("*.log"))) == 1
+    assert _gone(outs[0]["pid"])
+    with pytest.raises(ValueError, match="names no shared launcher"):
+        SGLangServerResource(shared=key).base_urls(model_dir)
+
+
 def test_embedded_server_exits_when_its_launcher_is_killed(model_dir, tmp_path):
     code = (
         "import sys, time\n"
@@ -128,3 +154,37 @@ def test_embedded_server_exits_when_its_launcher_is_killed(model_dir, tmp_path):
     finally:
         launcher.kill()
         launcher.wait(10)
+
+
+def test_cli_partition_runs_share_one_launcher_only_when_the_catalog_launches_in_process(tmp_path, monkeypatch):
+    import yaml
+
+    from eagle_assets.catalog import load_catalog
+    from eagle_assets.cli import _partition_definitions
+    from eagle_assets.definitions import build_definitions
+    from eagle_assets.serving import resource as resource_module
+
+    repo = Path(__file__).resolve().parents[1]
+    base = yaml.safe_load((repo / "catalogs" / "default.yaml").read_text())
+    for spec in base["partitions"].values():
+        for source in spec["sources"]:
+            source["path"] = str(repo / "catalogs" / source["path"])
+    base["training"]["unseen_eval"] = None
+    launched = tmp_path / "launch.yaml"
+    launched.write_text(yaml.safe_dump(base))
+    base["server"] = {"url": "http://127.0.0.1:30000"}
+    connected = tmp_path / "connect.yaml"
+    connected.write_text(yaml.safe_dump(base))
+    monkeypatch.delenv("EAGLE_ASSETS_EXECUTOR", raising=False)
+
+    defs = build_definitions(connected, storage_root=tmp_path / "store")
+    with _partition_definitions(defs, connected, load_catalog(connected)) as used:
+        assert used is defs  # a configured server: nothing to share
+    defs = build_definitions(launched, storage_root=tmp_path / "store")
+    with _partition_definitions(defs, launched, load_catalog(launched)) as used:
+        key = used.resources["sglang"].shared
+        assert key in resource_module._shared and resource_module._shared[key].server is None  # lazy
+    assert key not in resource_module._shared
+    monkeypatch.setenv("EAGLE_ASSETS_EXECUTOR", "k8s")  # steps in other pods cannot reach this process's server
+    with _partition_definitions(defs, launched, load_catalog(launched)) as used:
+        assert used is defs

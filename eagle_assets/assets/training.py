@@ -5,6 +5,7 @@ import hashlib
 import json
 import time
 from collections import Counter
+from concurrent.futures import wait as futures_wait
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -308,15 +309,27 @@ def build_training_assets() -> list:
         features = resolve_features(t.features, model_dir, out / "features", t.aux_layer_ids, t.max_length,
                                     lambda capture: sglang.base_urls(str(model_dir), aux_capture=capture),
                                     sglang.api_key_env)
-        if t.launcher == "torchrun":  # data-parallel processes through Dagster Pipes (assets/torchrun_launch.py)
-            from eagle_assets.assets.torchrun_launch import train_with_torchrun
+        # The unseen-source rows are decoded while the drafter trains when both fit beside each other: the tiny
+        # drafter trains on one thread (training.threads), leaving a core to the target's greedy decoding. The
+        # thread count stays at training.threads until that decoding is done (train_drafter restores the count it
+        # found), so the rows do not depend on which of the two finishes first.
+        unseen_log: list[str] = []
+        with torch_threads(t.threads):
+            unseen_early = (_unseen_rows_in_background(settings, t, model_dir, out, unseen_log.append)
+                            if features.source != "served" else None)
+            if t.launcher == "torchrun":  # data-parallel processes through Dagster Pipes (torchrun_launch.py)
+                from eagle_assets.assets.torchrun_launch import train_with_torchrun
 
-            result = train_with_torchrun(context, model_dir, train_rows, val_rows, vocab_dir, config, out,
-                                         t.nproc_per_node, features=features)
-        else:
-            result = train_drafter(model_dir, train_rows, vocab, config, out / "checkpoint",
-                                   log=_bounded_log(context.log.info), state_dir=out / "train_state",
-                                   validation_rows=val_rows, features=features)
+                result = train_with_torchrun(context, model_dir, train_rows, val_rows, vocab_dir, config, out,
+                                             t.nproc_per_node, features=features)
+            else:
+                result = train_drafter(model_dir, train_rows, vocab, config, out / "checkpoint",
+                                       log=_bounded_log(context.log.info), state_dir=out / "train_state",
+                                       validation_rows=val_rows, features=features)
+            if unseen_early is not None:
+                futures_wait([unseen_early])  # its result (or error) is read where the figure is computed
+        for line in unseen_log:  # logged here: the Dagster log belongs to the step's thread
+            context.log.info(line)
         for note in result.notes:
             context.log.info(note)
         ckpt = Path(result.checkpoint_dir)
@@ -389,9 +402,12 @@ def build_training_assets() -> list:
             unseen, unseen_note = None, None
             if t.unseen_eval is not None:
                 try:
-                    client = served.generate_client(capture) if served else None
-                    unseen_rows = unseen_eval_rows(settings, target_model, model_dir, out / "unseen_eval",
-                                                   context.log.info, served_client=client)
+                    if unseen_early is not None:
+                        unseen_rows = unseen_early.result()
+                    else:
+                        client = served.generate_client(capture) if served else None
+                        unseen_rows = unseen_eval_rows(settings, target_model, model_dir, out / "unseen_eval",
+                                                       context.log.info, served_client=client)
                 except (CatalogError, FormatError) as exc:
                     # A missing or unreadable eval source costs the second figure, never the checkpoint.
                     unseen_note = f"unseen-source figure skipped: {exc}"
@@ -540,6 +556,38 @@ def acceptance_check(t, heldout, unseen, missing: list[str], png_fn, unseen_note
         description=text,
         metadata=metadata,
     )
+
+
+# A second float32 copy of the target stays in memory while the drafter trains; above this size it is not worth it.
+UNSEEN_OVERLAP_MAX_WEIGHT_BYTES = 1 << 30
+
+
+def _unseen_rows_in_background(settings: PipelineSettings, t, model_dir: Path, out: Path, log):
+    """A future of :func:`unseen_eval_rows` (local target) started now on a thread of its own, or None when the
+    unseen figure is off, ``training.threads`` is unset (training may then use every core) or the target's weights
+    are over :data:`UNSEEN_OVERLAP_MAX_WEIGHT_BYTES` (the thread loads its own copy). Its ``result()`` raises what
+    ``unseen_eval_rows`` raised. The thread runs torch with ``training.threads`` threads, as the training does."""
+    if t.unseen_eval is None or not t.threads:
+        return None
+    if sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) > UNSEEN_OVERLAP_MAX_WEIGHT_BYTES:
+        return None
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    # loaded here, not on the thread: from_pretrained patches torch's init functions process-wide while it builds a
+    # model, which breaks a model built at the same time on another thread (the trainer's target)
+    target_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+
+    def rows():
+        torch.set_num_threads(t.threads)  # the training's count (set in this thread too, whatever torch's backend)
+        return unseen_eval_rows(settings, target_model, model_dir, out / "unseen_eval", log)
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="unseen-eval")
+    future = pool.submit(rows)
+    pool.shutdown(wait=False)
+    return future
 
 
 def unseen_eval_rows(settings: PipelineSettings, target_model, model_dir: Path, cache_dir: Path, log,

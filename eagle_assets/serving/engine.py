@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
 
 from eagle_assets.serving.aux_capture import AuxCaptureError, HiddenStateTap
 from eagle_assets.serving.protocol import SamplingParams
@@ -310,7 +311,6 @@ class DecodeEngine:
         capture_ids: Sequence[int] = (),
     ):
         from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
 
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -482,7 +482,7 @@ class DecodeEngine:
             [[0] * (width - len(r.input_ids)) + [1] * len(r.input_ids) for r in requests], device=self.device
         )
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = self._dynamic_cache(config=self.model.config)
+        cache = self._new_cache()
         rows = [_Row(r, self.eos_ids, self._seed_source) for r in requests]
         tapped = self._tap_on(rows)
         try:
@@ -524,6 +524,13 @@ class DecodeEngine:
             mask = mask[index]
         next_pos = torch.tensor([len(rows[i].req.input_ids) for i in keep], device=self.device)
         self._merge(cache, mask, next_pos, [rows[i] for i in keep])
+
+    def _new_cache(self) -> Any:
+        """A ``DynamicCache`` for one prefill; in continuous mode its layers are :class:`GrowingKVLayer`."""
+        cache = self._dynamic_cache(config=self.model.config)
+        if self.continuous:
+            cache.layers = [GrowingKVLayer() for _ in cache.layers]
+        return cache
 
     def _tap_on(self, rows: list[_Row]) -> bool:
         """Start recording this forward's hidden states when a row needs them (hidden rows or input logprobs)."""
@@ -697,6 +704,53 @@ class DecodeEngine:
                 e2e_latency=time.monotonic() - req.arrival,
             )
         )
+
+
+class GrowingKVLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values live in buffers with spare capacity along the sequence axis.
+
+    transformers' ``DynamicLayer.update`` concatenates the whole cache with each new token, so a decode step
+    copies every cached key and value (half the time of a decode step at batch 48 and 300 cached tokens in our
+    profile of the demo target). Here a step writes its token into the spare columns, and the buffer doubles when
+    full, so the copying is amortised O(1) per token. ``keys`` / ``values`` read as views ``[B, H, L, D]`` of the
+    first ``L`` columns, the same values ``DynamicLayer`` would hold (attention reads identical numbers, so the
+    logits are bit-identical: ``test_serving_engine.py``); assigning either (the engine's merge, row selection and
+    column trim) replaces that buffer, with its own length, so keys and values may be reassigned in any order.
+    """
+
+    def __init__(self):
+        self._buf: dict[str, torch.Tensor | None] = {"k": None, "v": None}
+        self._len = {"k": 0, "v": 0}
+        super().__init__()
+
+    def _view(self, which: str) -> torch.Tensor | None:
+        buf = self._buf[which]
+        return None if buf is None else buf[..., : self._len[which], :]
+
+    def _assign(self, which: str, t: torch.Tensor | None) -> None:
+        self._buf[which] = t
+        self._len[which] = t.shape[-2] if t is not None and t.dim() == 4 else 0
+
+    keys = property(lambda self: self._view("k"), lambda self, t: self._assign("k", t))
+    values = property(lambda self: self._view("v"), lambda self, t: self._assign("v", t))
+
+    def _append(self, which: str, states: torch.Tensor) -> None:
+        buf, n, add = self._buf[which], self._len[which], states.shape[-2]
+        if n + add > buf.shape[-2]:
+            grown = buf.new_empty((*buf.shape[:2], max(2 * buf.shape[-2], n + add, 64), buf.shape[-1]))
+            grown[..., :n, :] = buf[..., :n, :]
+            self._buf[which] = buf = grown
+        buf[..., n: n + add, :] = states
+        self._len[which] = n + add
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized or self._len["k"] == 0:
+            self.device, self.is_initialized = key_states.device, True
+            self.keys, self.values = key_states, value_states
+        else:
+            self._append("k", key_states)
+            self._append("v", value_states)
+        return self.keys, self.values
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

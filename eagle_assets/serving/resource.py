@@ -4,11 +4,20 @@ The only Dagster-aware module of ``eagle_assets.serving``. Launching happens on 
 never in ``setup_for_execution``: Dagster runs setup in every step process, and most steps never generate, so an
 eager launch would load the model once per step. ``teardown_after_execution`` stops a launched server (process
 group SIGTERM, then SIGKILL); see ``eagle_assets.serving.launch``.
+
+A server can also outlive runs: :func:`shared_launcher` registers a :class:`ServerLauncher` under a key, and a
+resource with ``shared`` set to that key launches through it (still lazily) and leaves the server running at the end
+of its run. ``eagle-assets run`` does this for its partition runs, so one model load serves every partition (a
+launch costs ~10 s for the embedded target on a 2-core machine and minutes for SGLang on a GPU host); the key only
+means something inside the process that registered it, i.e. with the in-process executor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import uuid
+from typing import Iterator
 
 import dagster as dg
 from pydantic import PrivateAttr
@@ -16,6 +25,76 @@ from pydantic import PrivateAttr
 from eagle_assets.serving.aux_capture import AuxCapture
 from eagle_assets.serving.client import normalize_url
 from eagle_assets.serving.launch import LAUNCH_KINDS, LaunchedServer, launch_server
+
+
+class ServerLauncher:
+    """Launches one ``/generate`` server on first use and hands out its URL until :meth:`stop`.
+
+    Args: as :func:`eagle_assets.serving.launch.launch_server` (``launch``, ``host``, ``port``,
+    ``startup_timeout_s``, ``extra_args``, ``api_key_env``, ``log_dir``). Thread-safe.
+    """
+
+    def __init__(self, launch: str = "embedded", host: str = "127.0.0.1", port: int = 0,
+                 startup_timeout_s: float = 300.0, extra_args: list[str] | None = None,
+                 api_key_env: str | None = None, log_dir: str | None = None):
+        if launch not in LAUNCH_KINDS:
+            raise ValueError(f"launch must be one of {LAUNCH_KINDS}, got {launch!r}")
+        self.launch, self.host, self.port = launch, host, port
+        self.startup_timeout_s, self.extra_args = startup_timeout_s, list(extra_args or [])
+        self.api_key_env, self.log_dir = api_key_env, log_dir
+        self.server: LaunchedServer | None = None
+        self._capture: AuxCapture | None = None
+        self._lock = threading.Lock()
+
+    def url_for(self, model_path: str, aux_capture: AuxCapture | None = None) -> str:
+        """The URL of the server for ``model_path`` (launching it, or relaunching it with other capture flags or
+        after it died).
+
+        Raises:
+            ValueError: a second model asked of one launched server.
+            RuntimeError / TimeoutError: the server did not start (the message quotes its log).
+        """
+        with self._lock:
+            server = self.server
+            if server is not None:
+                if server.model_path != str(model_path):
+                    raise ValueError(
+                        f"this resource already serves {server.model_path}; one launched server serves one model "
+                        f"(asked for {model_path})"
+                    )
+                if server.alive() and self._capture == aux_capture:
+                    return server.url
+                server.stop()  # it died, or other capture flags are needed: start a fresh one below
+            self.server = launch_server(
+                str(model_path), launch=self.launch, host=self.host, port=self.port,
+                startup_timeout_s=self.startup_timeout_s, extra_args=list(self.extra_args),
+                api_key_env=self.api_key_env, log_dir=self.log_dir, aux_capture=aux_capture,
+            )
+            self._capture = aux_capture
+            return self.server.url
+
+    def stop(self) -> None:
+        """Stop the launched server (no-op before a launch)."""
+        with self._lock:
+            server, self.server = self.server, None
+        if server is not None:
+            server.stop()
+
+
+_shared: dict[str, ServerLauncher] = {}
+
+
+@contextlib.contextmanager
+def shared_launcher(**kwargs) -> Iterator[str]:
+    """Register a :class:`ServerLauncher` (``kwargs`` as its constructor's) for ``SGLangServerResource(shared=key)``;
+    yields the key, and on exit stops its server (if one was launched) and forgets it."""
+    key = uuid.uuid4().hex
+    _shared[key] = launcher = ServerLauncher(**kwargs)
+    try:
+        yield key
+    finally:
+        _shared.pop(key, None)
+        launcher.stop()
 
 
 class SGLangServerResource(dg.ConfigurableResource):
@@ -33,6 +112,8 @@ class SGLangServerResource(dg.ConfigurableResource):
             flags such as ``["--tp", "8"]``).
         api_key_env: environment variable holding the API key; the launched server requires it and clients send it.
         log_dir: directory for the launched server's log (default: a temp directory).
+        shared: key of a :func:`shared_launcher` of this process: launch through it, and leave the server running
+            when the run ends (the launch settings are the launcher's; the fields above are then unused).
     """
 
     urls: list[str] = []
@@ -44,9 +125,9 @@ class SGLangServerResource(dg.ConfigurableResource):
     extra_args: list[str] = []
     api_key_env: str | None = None
     log_dir: str | None = None
+    shared: str | None = None
 
-    _server: LaunchedServer | None = PrivateAttr(default=None)
-    _capture: AuxCapture | None = PrivateAttr(default=None)
+    _own: ServerLauncher | None = PrivateAttr(default=None)
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
     def base_urls(self, model_path: str | None = None, aux_capture: AuxCapture | None = None) -> list[str]:
@@ -69,44 +150,43 @@ class SGLangServerResource(dg.ConfigurableResource):
                 "SGLangServerResource has no urls and no model path: set urls to a running server, or pass the "
                 "model directory to base_urls() (or the model_path field) to launch one"
             )
+        return [self._launcher().url_for(str(path), aux_capture)]
+
+    def _launcher(self) -> ServerLauncher:
+        if self.shared is not None:
+            launcher = _shared.get(self.shared)
+            if launcher is None:
+                raise ValueError(
+                    f"SGLangServerResource.shared={self.shared!r} names no shared launcher of this process: it only "
+                    "works with the in-process executor inside the `with shared_launcher()` that made the key; "
+                    "drop `shared` to launch a server per run"
+                )
+            return launcher
         if self.launch not in LAUNCH_KINDS:
             raise ValueError(f"SGLangServerResource.launch must be one of {LAUNCH_KINDS}, got {self.launch!r}")
         with self._lock:
-            server = self._server
-            if server is not None:
-                if server.model_path != str(path):
-                    raise ValueError(
-                        f"this resource already serves {server.model_path}; one launched server serves one model "
-                        f"(asked for {path})"
-                    )
-                if server.alive() and self._capture == aux_capture:
-                    return [server.url]
-                server.stop()  # it died, or other capture flags are needed: start a fresh one below
-            self._server = launch_server(
-                str(path),
-                launch=self.launch,
-                host=self.host,
-                port=self.port,
-                startup_timeout_s=self.startup_timeout_s,
-                extra_args=list(self.extra_args),
-                api_key_env=self.api_key_env,
-                log_dir=self.log_dir,
-                aux_capture=aux_capture,
-            )
-            self._capture = aux_capture
-            return [self._server.url]
+            if self._own is None:
+                self._own = ServerLauncher(launch=self.launch, host=self.host, port=self.port,
+                                           startup_timeout_s=self.startup_timeout_s,
+                                           extra_args=list(self.extra_args), api_key_env=self.api_key_env,
+                                           log_dir=self.log_dir)
+            return self._own
 
     @property
     def launched(self) -> LaunchedServer | None:
-        """The server this resource launched, if any."""
-        return self._server
+        """The server this resource launched (or its shared launcher holds), if any."""
+        if self.shared is not None:
+            launcher = _shared.get(self.shared)
+            return launcher.server if launcher is not None else None
+        return self._own.server if self._own is not None else None
 
     def stop(self) -> None:
-        """Stop a launched server (no-op in connect mode or before a launch)."""
+        """Stop the server this resource launched (no-op in connect mode, before a launch, and for a shared
+        launcher's server, which its ``shared_launcher`` block stops)."""
         with self._lock:
-            server, self._server = self._server, None
-        if server is not None:
-            server.stop()
+            own, self._own = self._own, None
+        if own is not None:
+            own.stop()
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         self.stop()
