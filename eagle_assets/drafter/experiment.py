@@ -41,8 +41,9 @@ def train_and_measure(
             draft_vocab_size, acceptance_k, acceptance_max_positions).
         out_dir: this arm's directory (checkpoint under ``checkpoint/``, ``result.json``).
     Returns: ``{"train_rows", "train_tokens", "draft_vocab_coverage", "train_seconds", "final_loss", "tau":
-        {partition: tau}, "per_position": {partition: [acceptance of draft i]}, "mean_tau"}``; tau in tokens per
-        verification step (1.0 = no draft accepted).
+        {partition: tau}, "tau_ci95": {partition: [lo, hi]} (the rows' bootstrap, ``acceptance.bootstrap_tau``),
+        "heldout_rows": {partition: rows walked}, "per_position": {partition: [acceptance of draft i]}, "mean_tau"}``;
+        tau in tokens per verification step (1.0 = no draft accepted).
     Raises: ValueError from :func:`train_drafter` when no row is usable.
     """
     from transformers import AutoModelForCausalLM
@@ -65,11 +66,13 @@ def train_and_measure(
     seconds = time.monotonic() - started
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
     drafter, _ = load_drafter(Path(result.checkpoint_dir), target)
-    tau, per_position = {}, {}
+    tau, tau_ci95, heldout_rows, per_position = {}, {}, {}, {}
     for part, rows in heldout.items():
         acc = simulate_acceptance(target, drafter, vocab, list(rows), k=training.acceptance_k,
                                   max_positions=training.acceptance_max_positions)
         tau[part] = round(acc.tau, 4)
+        tau_ci95[part] = [round(x, 4) for x in acc.tau_ci95]
+        heldout_rows[part] = acc.n_rows
         per_position[part] = [round(a, 4) for a in acc.per_position_acceptance]
     out = {
         "train_rows": len(train_rows),
@@ -78,6 +81,8 @@ def train_and_measure(
         "train_seconds": round(seconds, 1),
         "final_loss": round(float(np.mean([s.loss for s in result.steps[-3:]])), 4),
         "tau": tau,
+        "tau_ci95": tau_ci95,
+        "heldout_rows": heldout_rows,
         "per_position": per_position,
         "mean_tau": round(float(np.mean(list(tau.values()))), 4) if tau else 0.0,
     }
