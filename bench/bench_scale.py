@@ -529,7 +529,7 @@ def client_stage(requests: int, concurrency: int) -> int:
             del prompts
             pf = PromptsFile(tmp / "prompts.parquet")
             monitor = LiveQualityMonitor(profile, Thresholds(), LiveSpec(), blank_ids=blank,
-                                         prompt_opens_think=pf.opens_map(profile), prompt_ids=pf.ids_map(),
+                                         prompt_opens_think=pf.opens_map(profile), prompt_ids=pf.ids_map(arrays=True),
                                          vocab_size=vocab, control_ids=control, partition="bench") \
                 if with_monitor else None
             stub, url = start_shaped_stub(concurrency)

@@ -110,6 +110,12 @@ class PromptsFile:
 
     def ids_of(self, sid: str) -> list[int] | None:
         """Prompt ids of one sample id (None when it is not in the file): one row group read at most."""
+        ids = self.ids_array_of(sid)
+        return None if ids is None else ids.tolist()
+
+    def ids_array_of(self, sid: str) -> np.ndarray | None:
+        """``ids_of`` as a 1-d integer numpy slice of the cached row group (the file's int type, no copy: do not
+        write to it): what the live monitor segments, with no Python ints in between."""
         i = self.index.get(sid)
         if i is None:
             return None
@@ -123,7 +129,28 @@ class PromptsFile:
         j = i - int(self._group_start[g])
         if flat[0].null_count and not flat[0][j].is_valid:  # a null prompt_ids value
             return None
-        return flat[1][flat[2][j]:flat[2][j + 1]].tolist()
+        return flat[1][flat[2][j]:flat[2][j + 1]]
+
+    def ids_arrays_of(self, sids: list[str]) -> list[np.ndarray | None]:
+        """``ids_array_of`` of many sample ids at once (one lookup of their row groups): the live monitor's call
+        when it segments its queued rows."""
+        rows = [self.index.get(sid) for sid in sids]
+        out: list[np.ndarray | None] = [None] * len(rows)
+        known = [k for k, i in enumerate(rows) if i is not None]
+        if not known:
+            return out
+        idx = np.array([rows[k] for k in known], dtype=np.int64)
+        groups = np.searchsorted(self._group_start, idx, side="right") - 1
+        for g in np.unique(groups).tolist():
+            arr = self._group(g)
+            values, offsets = arr.values.to_numpy(zero_copy_only=False), arr.offsets.to_numpy()
+            sel = np.flatnonzero(groups == g)
+            local = idx[sel] - self._group_start[g]
+            valid = arr.is_valid().to_numpy(zero_copy_only=False)[local].tolist() if arr.null_count else None
+            for n, (k, lo, hi) in enumerate(zip(sel.tolist(), offsets[local].tolist(), offsets[local + 1].tolist())):
+                if valid is None or valid[n]:
+                    out[known[k]] = values[lo:hi]
+        return out
 
     def iter_prompts(self, batch_rows: int = PROMPT_ROW_GROUP_ROWS) -> Iterator[tuple[str, list[int]]]:
         """``(sample_id, prompt_ids)`` of every row in file order; one record batch of Python lists at a time."""
@@ -133,9 +160,10 @@ class PromptsFile:
         for batch in batches:
             yield from zip(batch.column(0).to_pylist(), batch.column(1).to_pylist())
 
-    def ids_map(self) -> Mapping[str, list[int]]:
-        """A read-only mapping sample id -> prompt ids over the file (``ids_of`` per lookup)."""
-        return _Lookup(self, self.ids_of)
+    def ids_map(self, arrays: bool = False) -> Mapping[str, list[int] | np.ndarray]:
+        """A read-only mapping sample id -> prompt ids over the file (``ids_of`` per lookup; with ``arrays``,
+        ``ids_array_of``: numpy views, for the live monitor)."""
+        return _Lookup(self, self.ids_array_of, many=self.ids_arrays_of) if arrays else _Lookup(self, self.ids_of)
 
     def opens_map(self, profile: Any) -> Mapping[str, bool]:
         """A read-only mapping sample id -> ``prompt_opens_think``; where the file has no value, the renderer's
@@ -154,8 +182,10 @@ class PromptsFile:
 
 
 class _Lookup(Mapping):
-    def __init__(self, prompts: PromptsFile, get_one):
+    def __init__(self, prompts: PromptsFile, get_one, many=None):
         self._prompts, self._get_one = prompts, get_one
+        if many is not None:
+            self.get_many = many  # values of many keys at once (None where missing), for the live monitor
 
     def __getitem__(self, sid: str):
         value = self._get_one(sid)

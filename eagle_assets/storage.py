@@ -16,13 +16,14 @@ on POSIX within one filesystem), so readers see either the old file or the new o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -72,30 +73,43 @@ class Layout:
         return path
 
 
-def write_parquet_atomic(table: pa.Table, path: Path) -> Path:
-    """Write ``table`` to ``path`` via a temp file + ``os.replace``; returns ``path``."""
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[str]:
+    """A temp file beside ``path`` (its parent is created) to write in the block; renamed over ``path`` with
+    ``os.replace`` when the block ends without error, removed otherwise, so readers see the old file or the new one,
+    never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        pq.write_table(table, tmp, compression="zstd")
+        yield tmp
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return path
+
+
+def write_parquet_atomic(table: pa.Table, path: Path, **options: Any) -> Path:
+    """Write ``table`` to ``path`` via a temp file + ``os.replace``; returns ``path``. ``options`` go to
+    ``pyarrow.parquet.write_table`` (e.g. ``use_dictionary``); compression is zstd."""
+    with atomic_file(path) as tmp:
+        pq.write_table(table, tmp, **{"compression": "zstd", **options})
+    return Path(path)
+
+
+def write_bytes_atomic(data: bytes, path: Path) -> Path:
+    """Write ``data`` to ``path`` via a temp file + ``os.replace``; returns ``path``."""
+    with atomic_file(path) as tmp:
+        Path(tmp).write_bytes(data)
+    return Path(path)
 
 
 def write_json_atomic(obj: Any, path: Path) -> Path:
     """Write ``obj`` as indented JSON to ``path`` atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
-    os.replace(tmp, path)
-    return path
+    with atomic_file(path) as tmp:
+        Path(tmp).write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    return Path(path)
 
 
 def shard_paths(directory: Path) -> list[Path]:

@@ -133,7 +133,7 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         monitor = LiveQualityMonitor(
             profile, spec.thresholds, spec.live, blank_ids=blank_token_ids(tokenizer),
             tool_call_in_reasoning=spec.tool_call_in_reasoning, prompt_opens_think=prompts.opens_map(profile),
-            partition=key, prompt_ids=prompts.ids_map(), vocab_size=vocab_size, control_ids=control,
+            partition=key, prompt_ids=prompts.ids_map(arrays=True), vocab_size=vocab_size, control_ids=control,
         ) if pending else None
         context.log.info(f"generating {len(prompts)} prompts of {key} against {shown_urls or 'no server (all done)'}")
         try:

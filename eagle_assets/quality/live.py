@@ -24,7 +24,10 @@ Cost: constant per row, whatever the partition's size. Rows are queued by ``obse
 counters (rows, drops per reason, truncated, under short) and exact histograms of the integer lengths
 (``quality.running.LengthHistogram``), judged by ``quality.thresholds``' rules from counts
 (``token_structure_outcome`` / ``response_length_outcome``); the example ids are bounded deques and a heap of the
-``example_ids`` shortest rows. An evaluation costs O(longest length), not O(rows).
+``example_ids`` shortest rows. An evaluation costs O(longest length), not O(rows). A row's ``output_ids`` may be an
+int32 array (``generation.run_generation`` converts each reply once, for its shard and for this monitor): no Python
+ints are walked per row. Measured (issue 16, ``bench/bench_scale.py client``, Qwen3-shaped ~1,040-token replies,
+reports every 25 rows): ~110-130 us of CPU per row under load, against ~330 before.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import numpy as np
 from eagle_assets.catalog import LiveSpec
 from eagle_assets.quality.running import LengthHistogram
 from eagle_assets.quality.segment import DROP_REASONS, Segmentation
-from eagle_assets.quality.segment_batch import KEPT, segment_rows
+from eagle_assets.quality.segment_batch import KEPT, BatchSegmentation, segment_rows
 from eagle_assets.quality.thresholds import Finding, Outcome, response_length_outcome, token_structure_outcome
 
 # rows segmented together when figures are read (the seed of a large partition is segmented in slices of this)
@@ -201,8 +204,9 @@ class LiveQualityMonitor:
         prompt_opens_think: sample id -> ``prompt_opens_think`` of ``tokenized_prompts``. Rows of ids missing from it
             are from an older prompt set and are skipped, as QC skips them. None = every prompt opens a think block.
         partition: the partition key, for messages.
-        prompt_ids: sample id -> prompt ids (``tokenized_prompts.prompt_ids``), for the prompt-echo and
-            prompt-count rules; None = not checked.
+        prompt_ids: sample id -> prompt ids (``tokenized_prompts.prompt_ids``: lists or 1-d integer numpy arrays),
+            for the prompt-echo and prompt-count rules; None = not checked. A mapping with ``get_many(sids)``
+            (``PromptsFile.ids_map(arrays=True)``) is read once per segmented batch instead of once per row.
         vocab_size: the target's vocab size (``target_model.profile.target_vocab_size``); None = not checked.
         control_ids: the target's special and added token ids (``target_model.render.control_token_ids``); None =
             unknown.
@@ -232,6 +236,7 @@ class LiveQualityMonitor:
         self.prompt_opens_think = prompt_opens_think
         self.partition = partition
         self.prompt_ids = prompt_ids
+        self._get_many = getattr(prompt_ids, "get_many", None)
         self.vocab_size = vocab_size
         self.control_ids = None if control_ids is None else frozenset(control_ids)
         self.short_tokens = int(self.thresholds.get("short_tokens") or 300)
@@ -275,8 +280,8 @@ class LiveQualityMonitor:
         for row in rows:
             self._queue(row, this_run=False)
             if len(self._pending) >= SEGMENT_BATCH_ROWS:
-                self.flush()
-        self.flush()
+                self._flush()
+        self._flush()
         self.seeded = self.rows
         return self.rows - before
 
@@ -285,7 +290,7 @@ class LiveQualityMonitor:
         every figure-reading method calls first)."""
         self._queue(row, this_run=True)
         if len(self._pending) >= SEGMENT_BATCH_ROWS:
-            self.flush()
+            self._flush()
 
     def _queue(self, row: Mapping[str, Any], this_run: bool) -> None:
         sid = str(row["sample_id"])
@@ -296,18 +301,27 @@ class LiveQualityMonitor:
                 return
         else:
             opens = True
-        prompt = self.prompt_ids.get(sid) if self.prompt_ids is not None else None
+        # a mapping with get_many (PromptsFile.ids_map(arrays=True)) is read once per batch, in _flush
+        prompt = self.prompt_ids.get(sid) if self.prompt_ids is not None and self._get_many is None else None
         self._pending.append((row, bool(opens), prompt, this_run))
         self._n += 1
 
     def flush(self) -> list[Segmentation]:
         """Segment the queued rows in one batch and count them; returns their segmentations, in order."""
+        seg = self._flush()
+        return [] if seg is None else [seg.row(i) for i in range(len(seg))]
+
+    def _flush(self) -> BatchSegmentation | None:
+        """``flush`` without building a ``Segmentation`` per row (what every figure-reading method calls)."""
         if not self._pending:
-            return []
+            return None
         pending, self._pending = self._pending, []
         rows = [p[0] for p in pending]
-        seg = segment_rows(rows, self.profile, prompt_opens_think=[p[1] for p in pending],
-                           prompt_ids=[p[2] for p in pending] if self.prompt_ids is not None else None,
+        if self._get_many is not None:
+            prompts = self._get_many([str(r["sample_id"]) for r in rows])
+        else:
+            prompts = [p[2] for p in pending] if self.prompt_ids is not None else None
+        seg = segment_rows(rows, self.profile, prompt_opens_think=[p[1] for p in pending], prompt_ids=prompts,
                            tool_call_in_reasoning=self.tool_call_in_reasoning, blank_ids=self.blank_ids,
                            vocab_size=self.vocab_size, control_ids=self.control_ids)
         first = self._n - len(pending)
@@ -338,7 +352,7 @@ class LiveQualityMonitor:
                     heapq.heappush(self._shortest, item)
                 elif item > self._shortest[0]:  # shorter than the longest kept (ties: the earlier row stays)
                     heapq.heapreplace(self._shortest, item)
-        return [seg.row(i) for i in range(len(rows))]
+        return seg
 
     @property
     def _drop_counts(self) -> Counter:
@@ -359,7 +373,7 @@ class LiveQualityMonitor:
 
     def outcomes(self, this_run_only: bool = False) -> tuple[Outcome, Outcome]:
         """(token_structure, response_length) outcomes of the rows so far, by the blocking checks' rules."""
-        self.flush()
+        self._flush()
         return (self._run if this_run_only else self._all).outcomes(self.thresholds, self.short_tokens)
 
     def evaluate(self, final: bool = False) -> LiveEvaluation | None:
@@ -370,7 +384,7 @@ class LiveQualityMonitor:
         ``final=True`` is for the last figures of a run that has sent everything: evaluated even during the warm-up
         (when there is at least one row), and no stop is decided.
         """
-        self.flush()
+        self._flush()
         self._last_report = self.rows
         if not (self.warmed_up or (final and self.rows)):
             return None
@@ -448,7 +462,7 @@ class LiveQualityMonitor:
         (counts), level ("WARMUP" before the first evaluation, else the last evaluation's), evaluated_at_rows,
         alarms (the last evaluation's), stopped, stop, live (the LiveSpec), thresholds.
         """
-        self.flush()
+        self._flush()
         n = self.rows
         share = (lambda c: c / n) if n else (lambda c: 0.0)
         dropped = sum(self._drop_counts.values())

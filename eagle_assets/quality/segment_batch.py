@@ -18,6 +18,7 @@ have markers in their answer).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Collection, Sequence
 
@@ -108,9 +109,22 @@ def _classes(values: np.ndarray, groups: Sequence[Collection[int]], vocab_size: 
     With ``vocab_size`` at or above every group id, the table spans the vocab and the sentinel carries
     ``OUT_OF_VOCAB_BIT``, so the vocab rule costs no pass of its own (ids of a group at or above ``vocab_size`` would
     be out of the vocab and drop their row first, so their other bits never matter)."""
-    ids = [t for g in groups for t in g if t >= 0]
     if not len(values):
         return np.zeros(0, dtype=np.uint8)
+    table = _class_table(tuple(tuple(g) for g in groups), vocab_size)
+    if values.dtype == np.int32:
+        index = np.minimum(values.view(np.uint32), len(table) - 1)  # negative ids wrap to huge: the sentinel
+    else:
+        index = np.where((values < 0) | (values >= len(table)), len(table) - 1, values)
+    return table[index]
+
+
+@functools.lru_cache(maxsize=16)
+def _class_table(groups: tuple[tuple[int, ...], ...], vocab_size: int | None) -> np.ndarray:
+    """The lookup table of ``_classes`` (read-only), built once per (groups, vocab size): a batch of a few rows (the
+    live monitor segments every ``report_every_rows`` rows) would otherwise spend more on building the
+    vocab-sized table and walking the blank ids than on its tokens."""
+    ids = [t for g in groups for t in g if t >= 0]
     top = max(ids) + 1 if ids else 0
     spans_vocab = vocab_size is not None and vocab_size >= top
     table = np.zeros((vocab_size if spans_vocab else top) + 1, dtype=np.uint8)  # the last slot is the sentinel
@@ -120,15 +134,25 @@ def _classes(values: np.ndarray, groups: Sequence[Collection[int]], vocab_size: 
         for t in group:
             if t >= 0:
                 table[t] |= 1 << bit
-    if values.dtype == np.int32:
-        index = np.minimum(values.view(np.uint32), len(table) - 1)  # negative ids wrap to huge: the sentinel
-    else:
-        index = np.where((values < 0) | (values >= len(table)), len(table) - 1, values)
-    return table[index]
+    table.setflags(write=False)
+    return table
+
+
+@functools.lru_cache(maxsize=16)
+def _group_top(groups: tuple[tuple[int, ...], ...]) -> int:
+    """1 + the largest id of ``groups`` (0 when none); cached with ``_class_table``, for the same reason."""
+    return max((t + 1 for g in groups for t in g if t >= 0), default=0)
+
+
+_FINISH_CODE = {"stop": _FINISH_STOP, "length": _FINISH_LENGTH, "abort": _FINISH_ABORT}
 
 
 def _finish_codes(finish: Sequence[Any] | pa.Array) -> np.ndarray:
-    arr = finish if isinstance(finish, (pa.Array, pa.ChunkedArray)) else pa.array(list(finish), type=pa.string())
+    if not isinstance(finish, (pa.Array, pa.ChunkedArray)):
+        # Python values (the live monitor's few rows): a dict lookup each, cheaper than Arrow compute on tiny arrays
+        return np.fromiter((_FINISH_CODE.get(f, _FINISH_OTHER) if isinstance(f, str) else _FINISH_OTHER
+                            for f in finish), dtype=np.int8)
+    arr = finish
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
     if not pa.types.is_string(arr.type) and not pa.types.is_large_string(arr.type):
@@ -220,7 +244,7 @@ def segment_flat(
     starts, ends = tuple(profile.tool_call_start_ids), tuple(profile.tool_call_end_ids)
     groups = [tuple(profile.stop_ids), (think_start,) if has_think else (), (think_end,) if has_think else (),
               (*starts, *ends), starts[:1], tuple(blank_ids)]
-    group_top = max((t + 1 for g in groups for t in g if t >= 0), default=0)
+    group_top = _group_top(tuple(tuple(g) for g in groups))
     cls = _classes(values, groups, vocab_size)
     if vocab_size is not None:
         if vocab_size >= group_top:
@@ -389,7 +413,8 @@ def _int_list_parts(lists: Sequence[Sequence[int] | None]) -> tuple[np.ndarray, 
     converts Python ints ~15x faster than ``pa.array`` (measured here: ~100 vs ~1,800 us per 1,040-id list).
     Stricter than ``pa.array(..., pa.list_(pa.int64()))``: raises ``TypeError`` for any element that is not an
     ``int`` (bools and integral floats included), ``OverflowError`` beyond int64, and the caller hands such rows
-    to the reference."""
+    to the reference. A 1-d numpy array of a signed (or narrower than 64-bit unsigned) integer dtype is taken as it
+    is, with no conversion or check."""
     n = len(lists)
     present = np.fromiter((x is not None for x in lists), dtype=bool, count=n)
     parts = []
@@ -397,7 +422,11 @@ def _int_list_parts(lists: Sequence[Sequence[int] | None]) -> tuple[np.ndarray, 
         if x is None:
             parts.append(_EMPTY_IDS)
             continue
-        if not _INT_ONLY.issuperset(map(type, x)):
+        if isinstance(x, np.ndarray) and x.ndim == 1 and (x.dtype.kind == "i" or (x.dtype.kind == "u"
+                                                                                   and x.dtype.itemsize < 8)):
+            parts.append(x)  # already converted (the client's replies, as generation.py hands them over)
+            continue
+        if not set(map(type, x)) <= _INT_ONLY:  # ~2x faster than issuperset(map(...)) on 1,000 ids
             raise TypeError("ids of another type than int")
         parts.append(np.array(x, dtype=np.int64))
     offsets = np.zeros(n + 1, dtype=np.int64)
@@ -522,7 +551,8 @@ def segment_rows(
 ) -> BatchSegmentation:
     """``segment_row`` of many row dicts (as the client writes them, or read back from shards) in one batch: the
     live monitor's call. ``prompt_ids``: one entry per row (None = no prompt rules for it), or None for all.
-    Rows whose values are not of the generated types (string counts, non-int ids) go through the reference."""
+    Rows whose values are not of the generated types (string counts, non-int ids) go through the reference.
+    ``output_ids`` (and ``prompt_ids`` entries) may be lists of ints or 1-d integer numpy arrays."""
     n = len(rows)
     opens = np.broadcast_to(np.asarray(prompt_opens_think, dtype=bool), (n,))
     prompts = list(prompt_ids) if prompt_ids is not None else [None] * n
@@ -531,11 +561,11 @@ def segment_rows(
     try:
         if not all(_is_count(r.get("completion_tokens")) and _is_count(r.get("prompt_tokens")) for r in rows):
             raise TypeError("counts of another type")
-        values, offsets, _ = _int_list_parts([r.get("output_ids") or [] for r in rows])
+        values, offsets, _ = _int_list_parts([_ids_or_empty(r.get("output_ids")) for r in rows])
         flat: dict[str, Any] = {}
         if prompt_ids is not None:
             flat["prompt_values"], flat["prompt_offsets"], flat["prompt_present"] = _int_list_parts(
-                [None if p is None else list(p) for p in prompts])
+                [p if p is None or isinstance(p, (list, np.ndarray)) else list(p) for p in prompts])
         finish = [f if isinstance(f, str) else (None if f is None else "\0") for f in
                   (r.get("finish_reason") for r in rows)]
         matched = [m if isinstance(m, int) and not isinstance(m, bool) else None
@@ -544,14 +574,24 @@ def segment_rows(
             values, offsets, finish, profile, matched_stop=matched,
             completion_tokens=[r.get("completion_tokens") for r in rows], prompt_opens_think=opens,
             prompt_tokens=[r.get("prompt_tokens") for r in rows],
-            max_new_tokens=[row_max_new_tokens(r) for r in rows], **flat, **kw)
+            max_new_tokens=row_caps([r.get("sampling_params") for r in rows], n), **flat, **kw)
     except (TypeError, ValueError, OverflowError, pa.ArrowInvalid, pa.ArrowTypeError):
         pass  # not the generated types: the reference, row by row, decides
     from eagle_assets.quality.segment import segment_row
 
+    rows = [dict(r, output_ids=r["output_ids"].tolist()) if isinstance(r.get("output_ids"), np.ndarray) else r
+            for r in rows]
+    prompts = [p.tolist() if isinstance(p, np.ndarray) else p for p in prompts]
     segs = [segment_row(r, profile, prompt_opens_think=bool(o), prompt_ids=p, **kw)
             for r, o, p in zip(rows, opens.tolist(), prompts)]
     return _pack(segs, [len(r.get("output_ids") or ()) for r in rows])
+
+
+def _ids_or_empty(ids: Any) -> Any:
+    """A row's ids, [] for a missing or empty value (``or []`` would raise on a numpy array)."""
+    if ids is None:
+        return []
+    return ids if isinstance(ids, np.ndarray) else (ids or [])
 
 
 def _pack(segs: Sequence[Segmentation], lengths: Sequence[int]) -> BatchSegmentation:
