@@ -17,6 +17,7 @@ rows of the one-batch path.
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import numpy as np
@@ -184,6 +185,109 @@ def test_tokenize_pass_in_batches_equals_render_prompt_record_by_record(shared_d
     batch = render_prompts(tokenizer, [(json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None)
                                        for r in records[:12]], max_prompt_tokens=300, profile=profile)
     assert [isinstance(b, RenderError) for b in batch] == [r["sample_id"] in dict(want_rejects) for r in records[:12]]
+
+
+def _family_tokenizer(shared_data, family: str):
+    from eagle_assets.target_model.tokenizer import load_tokenizer
+
+    tok_dir = shared_data / "tokenizers" / family
+    if not tok_dir.exists():
+        pytest.skip(f"{tok_dir} is absent")
+    if family == "kimi-k2.5":  # no chat template in its tokenizer files: the K2-Thinking one of the shared data
+        from eagle_assets.target_model.kimi import load_kimi_tokenizer
+
+        return load_kimi_tokenizer(tok_dir, shared_data / "chat_templates" / "moonshotai-Kimi-K2-Thinking.jinja")
+    return load_tokenizer(tok_dir)
+
+
+def _odd_records() -> list[tuple[list, list | None]]:
+    """Layouts the batched render must hand to the one-record path or reject as it does: tool calls in the history
+    (DeepSeek-V3 needs JSON-string arguments), an empty conversation, ``tools=[]``, a reasoning field, no user turn,
+    contents some templates fail on (an int, a list of parts)."""
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"word": {"type": "string"}}}}}]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "lookup", "arguments": {"word": "eagle"}}}]}
+    return [
+        ([{"role": "user", "content": "Define eagle."}, call, {"role": "tool", "content": "a bird of prey"},
+          {"role": "user", "content": "And hawk?"}], tools),
+        ([], None),
+        ([{"role": "user", "content": "plain, tools=[]"}], []),
+        ([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "add"},
+          {"role": "user", "content": "3+3?"}], None),
+        ([{"role": "system", "content": "only a system prompt"}], None),
+        ([{"role": "user", "content": "x <think> y"}], None),
+        # DeepSeek-V3 and Kimi's templates raise on these: the batched call fails and is split down to them
+        ([{"role": "user", "content": 5}], None),
+        ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], None),
+        ([{"role": "user", "content": "after the failing ones"}], None),
+    ]
+
+
+@pytest.mark.parametrize("family", ["qwen3-0.6b", "deepseek-v3", "kimi-k2.5"])
+def test_batched_render_equals_render_prompt_with_thinking_on_off_and_odd_layouts(shared_data, family):
+    """``render_prompts`` (batched ``apply_chat_template`` + ``encode_batch_fast``) gives ``render_prompt``'s ids,
+    flags, text and error (reason and message) on every record, with ``enable_thinking`` None / True / False."""
+    from eagle_assets.target_model.profile import detect_profile
+    from eagle_assets.target_model.render import RenderError, encode_texts, render_prompt, render_prompts
+
+    tokenizer = _family_tokenizer(shared_data, family)
+    profile = detect_profile(tokenizer, None)
+    records = [(json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None)
+               for r in _raw_records(12)] + _odd_records()
+    reasons = set()
+    for thinking in (None, True, False):
+        got = render_prompts(tokenizer, records, enable_thinking=thinking, max_prompt_tokens=300, profile=profile)
+        assert len(got) == len(records)
+        for (messages, tools), g in zip(records, got):
+            try:
+                want = render_prompt(tokenizer, messages, tools, enable_thinking=thinking, max_prompt_tokens=300,
+                                     profile=profile)
+            except RenderError as exc:
+                assert isinstance(g, RenderError) and (g.reason, str(g)) == (exc.reason, str(exc)), (messages, g)
+                reasons.add(exc.reason)
+                continue
+            assert not isinstance(g, RenderError), (messages, g)
+            assert g == want  # ids, hash, flags and text
+    assert {"control_token_in_text", "prompt_too_long", "template_error"} <= reasons
+    texts = ["<|im_start|>user\nhi<|im_end|>\n", "plain words, ünïcödé and 数字 123", ""]
+    assert encode_texts(tokenizer, texts) == [list(i) for i in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+@pytest.mark.parametrize("family", ["qwen3-0.6b", "kimi-k2.5"])
+def test_tokenize_pass_with_worker_processes_writes_the_files_of_one_process(shared_data, tmp_path, family):
+    """Two spawned workers (the tokenizer pickled to each) write byte-for-byte the rows of the one-process pass,
+    batches in file order, and the same summary."""
+    from eagle_assets.target_model.profile import detect_profile
+
+    tokenizer = _family_tokenizer(shared_data, family)
+    profile = detect_profile(tokenizer, None)
+    raw = tmp_path / "raw.parquet"
+    pq.write_table(pa.Table.from_pylist(_raw_records(40), schema=RAW_SCHEMA), raw)
+    one = tokenize_partition(raw, tmp_path / "one", tokenizer, profile, max_prompt_tokens=300, batch_rows=6,
+                             workers=1)
+    two = tokenize_partition(raw, tmp_path / "two", tokenizer, profile, max_prompt_tokens=300, batch_rows=6,
+                             workers=2)
+    for name in ("prompts.parquet", "rejects.parquet"):
+        a, b = pq.read_table(tmp_path / "one" / name), pq.read_table(tmp_path / "two" / name)
+        assert a.equals(b) and a.num_rows > 0
+    assert pq.ParquetFile(tmp_path / "two" / "prompts.parquet").metadata.num_row_groups == 7
+    assert (one.rows, one.rejected, one.reasons, one.opens_think, one.template_hash, one.max_tokens, one.batches,
+            one.median_tokens) == (two.rows, two.rejected, two.reasons, two.opens_think, two.template_hash,
+                                   two.max_tokens, two.batches, two.median_tokens)
+
+
+def test_default_workers_stays_in_process_for_small_partitions_and_small_machines():
+    from eagle_assets.tokenize_pass import MIN_CPUS_FOR_WORKERS, MIN_RECORDS_PER_WORKER, default_workers
+
+    big = 10 * MIN_RECORDS_PER_WORKER
+    assert default_workers(big, cpus=MIN_CPUS_FOR_WORKERS - 1) == 1  # one process, rendering and encoding overlapped
+    assert default_workers(0, cpus=16) == default_workers(MIN_RECORDS_PER_WORKER - 1, cpus=16) == 1
+    assert default_workers(big, batch_rows=4096, cpus=6) == 6 and default_workers(big, cpus=64) == 8
+    assert default_workers(big, batch_rows=big, cpus=16) == 1  # one batch
+    assert default_workers(big) == (1 if len(os.sched_getaffinity(0)) < MIN_CPUS_FOR_WORKERS
+                                    else min(len(os.sched_getaffinity(0)), 8, 10))
 
 
 def test_tokenize_pass_leaves_the_old_files_when_it_fails(tmp_path):

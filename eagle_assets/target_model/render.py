@@ -93,8 +93,9 @@ def special_token_strings(tokenizer: Any) -> list[str]:
     return sorted((t for t in tokens if len(t) > 1), key=len, reverse=True)
 
 
-def _check_control_tokens(tokenizer: Any, messages: list[dict[str, Any]]) -> None:
-    specials = special_token_strings(tokenizer)
+def _check_control_tokens(tokenizer: Any, messages: list[dict[str, Any]], specials: list[str] | None = None) -> None:
+    if specials is None:
+        specials = special_token_strings(tokenizer)
     for i, msg in enumerate(messages):
         if msg.get("role") not in ("user", "tool", "system"):
             continue
@@ -219,40 +220,148 @@ def render_prompts(
     """``render_prompt`` over a batch of ``(messages, tools)``: one result per record, in order, each a
     ``RenderedPrompt`` or the ``RenderError`` that record raised (a bad record costs only itself).
 
-    The same steps as ``render_prompt`` (one code path: ``_render_texts`` then ``_finish``), except that the
-    prompt texts are tokenized in one call (the fast tokenizer's batch encode, parallel in Rust) and the ids of
-    each distinct generation-prompt text are computed once. The ids equal ``render_prompt``'s exactly (a test
-    compares them on every family and layout).
+    The same checks and flags as ``render_prompt`` (``_finish`` for every record), with the per-call costs paid
+    once per batch: records are rendered by ``render_texts_batch`` (transformers' batched
+    ``apply_chat_template``: one call per distinct tools list and ``add_generation_prompt`` value, each record
+    rendered by the same compiled template as one call would), the prompt texts are tokenized in one call (the fast
+    tokenizer's batch encode, parallel in Rust) and the ids of each distinct generation-prompt text are computed
+    once. The ids, flags and errors equal ``render_prompt``'s exactly (tests compare them on every family and
+    layout). ``render_prompts = finish_rendered(render_texts_batch(...))``; a pipeline calls the halves apart.
     """
+    return finish_rendered(tokenizer, render_texts_batch(tokenizer, records, enable_thinking), enable_thinking,
+                           max_prompt_tokens, profile)
+
+
+def finish_rendered(tokenizer: Any, rendered: list[Any], enable_thinking: bool | None = None,
+                    max_prompt_tokens: int | None = None, profile: FamilyProfile | None = None
+                    ) -> list[RenderedPrompt | RenderError]:
+    """The second half of ``render_prompts``: ``rendered`` (``render_texts_batch``'s list) tokenized in one batch
+    encode (``encode_texts``, which releases the GIL while it runs, so a pipeline can render the next batch
+    meanwhile) and checked by ``_finish``; returns one ``RenderedPrompt`` or ``RenderError`` per record."""
     try:
         t_hash = template_hash(tokenizer)
     except RenderError as exc:  # no chat template: every record fails the same way
-        return [exc] * len(records)
-    out: list[Any] = []
-    pending: list[int] = []
-    for messages, tools in records:
-        try:
-            out.append(_render_texts(tokenizer, messages, tools, enable_thinking))
-            pending.append(len(out) - 1)
-        except RenderError as exc:
-            out.append(exc)
+        return [exc] * len(rendered)
+    out = list(rendered)
+    pending = [i for i, r in enumerate(out) if not isinstance(r, RenderError)]
     if pending:
-        encoded = tokenizer([out[i][0] for i in pending], add_special_tokens=False)["input_ids"]
+        encoded = encode_texts(tokenizer, [out[i][0] for i in pending])
         cache: dict[str, list[int]] = {}
         for i, ids in zip(pending, encoded):
             try:
-                out[i] = _finish(tokenizer, list(ids), out[i], enable_thinking, max_prompt_tokens, profile, t_hash,
-                                 cache)
+                out[i] = _finish(tokenizer, ids, out[i], enable_thinking, max_prompt_tokens, profile, t_hash, cache)
             except RenderError as exc:
                 out[i] = exc
     return out
 
 
-def _render_texts(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, enable_thinking: bool | None
-                  ) -> tuple[str, str, Any, bool]:
+def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """``tokenizer(texts, add_special_tokens=False)["input_ids"]`` (lists of Python ints), through the Rust
+    tokenizer's ``encode_batch_fast`` (the same ids, without the character offsets and the ``BatchEncoding``
+    conversion, ~25% of the encode's time) when the tokenizer is a fast one whose backend neither truncates nor pads
+    (transformers' call turns both off for these arguments; with them set, the transformers call is used)."""
+    core = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    fast = getattr(core, "encode_batch_fast", None)
+    if fast is None or core.truncation is not None or core.padding is not None:
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return [enc.ids for enc in fast(texts, add_special_tokens=False)]
+
+
+def _batchable(messages: Any) -> bool:
+    """A record the batched call renders exactly as a single call would: a non-empty list of dicts without tool
+    calls (those may need ``_render_texts``' JSON-string retry; an empty or malformed list fails differently when
+    batched)."""
+    return (isinstance(messages, list) and bool(messages)
+            and all(isinstance(m, dict) and not m.get("tool_calls") for m in messages))
+
+
+def render_texts_batch(tokenizer: Any, records: Sequence[tuple[list[dict[str, Any]], Any]],
+                       enable_thinking: bool | None = None) -> list[tuple[str, str, Any, bool] | RenderError]:
+    """``_render_texts`` of every record (its result or its RenderError, in order), rendering plain records through
+    batched ``apply_chat_template`` calls (a list of conversations renders each with the same compiled template,
+    special-token variables and kwargs as one call; ``transformers.utils.chat_template_utils.render_jinja_template``).
+
+    Records ``_batchable`` rejects go through ``_render_texts`` one by one (the tool-argument retry); a group whose
+    batched call raised is split in halves down to the failing records (``_render_group``), so each keeps its own
+    error message.
+    """
+    if not getattr(tokenizer, "chat_template", None):  # finish_rendered reports it for every record
+        return [()] * len(records)
+    out: list[Any] = [None] * len(records)
+    specials = special_token_strings(tokenizer)
+    kwargs: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    groups: dict[str, list[int]] = {}
+    for i, (messages, tools) in enumerate(records):
+        try:
+            _check_control_tokens(tokenizer, messages, specials)
+        except RenderError as exc:
+            out[i] = exc
+            continue
+        except Exception:  # malformed messages: the one-record path reports them as it always has
+            groups.setdefault("\0single", []).append(i)
+            continue
+        if not _batchable(messages):
+            groups.setdefault("\0single", []).append(i)
+            continue
+        try:
+            key = json.dumps(tools or None, sort_keys=True)
+        except (TypeError, ValueError):
+            key = "\0single"
+        groups.setdefault(key, []).append(i)
+    for key, idx in groups.items():
+        if key == "\0single":
+            for i in idx:
+                out[i] = _render_one(tokenizer, records[i], enable_thinking, specials)
+        else:
+            _render_group(tokenizer, records, idx, records[idx[0]][1] or None, kwargs, enable_thinking, specials, out)
+    return out
+
+
+def _render_one(tokenizer: Any, record: tuple, enable_thinking: bool | None, specials: list[str]) -> Any:
+    try:
+        return _render_texts(tokenizer, *record, enable_thinking, specials)
+    except RenderError as exc:
+        return exc
+
+
+def _render_group(tokenizer: Any, records: Sequence[tuple], idx: list[int], tools: Any, kwargs: dict[str, Any],
+                  enable_thinking: bool | None, specials: list[str], out: list[Any]) -> None:
+    """Render the records ``idx`` (same tools) in batched calls into ``out``; when a call raises (some record's
+    template error), each half is retried on its own, down to ``_render_texts`` of the one record, so k bad records
+    cost O(k log n) extra renders and each keeps its own error message."""
+    if len(idx) == 1:
+        out[idx[0]] = _render_one(tokenizer, records[idx[0]], enable_thinking, specials)
+        return
+    convs = [records[i][0] for i in idx]
+    try:
+        texts = _apply_many(tokenizer, convs, tools, True, kwargs)
+        without_gen = _apply_many(tokenizer, convs, tools, False, kwargs)
+        without_tools = _apply_many(tokenizer, convs, None, True, kwargs) if tools else [None] * len(idx)
+    except Exception:
+        half = len(idx) // 2
+        _render_group(tokenizer, records, idx[:half], tools, kwargs, enable_thinking, specials, out)
+        _render_group(tokenizer, records, idx[half:], tools, kwargs, enable_thinking, specials, out)
+        return
+    for i, text, plain, bare in zip(idx, texts, without_gen, without_tools):
+        try:
+            out[i] = _checked_texts(text, plain, bare, tools, False)
+        except RenderError as exc:
+            out[i] = exc
+
+
+def _apply_many(tokenizer: Any, conversations: list, tools: Any, gen: bool, kwargs: dict[str, Any]) -> list[str]:
+    texts = tokenizer.apply_chat_template(conversations, tools=tools, add_generation_prompt=gen, tokenize=False,
+                                          **kwargs)
+    if not isinstance(texts, list) or len(texts) != len(conversations) or not all(isinstance(t, str) for t in texts):
+        raise TypeError("batched apply_chat_template did not return one text per conversation")
+    return texts
+
+
+def _render_texts(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, enable_thinking: bool | None,
+                  specials: list[str] | None = None) -> tuple[str, str, Any, bool]:
     """(prompt text, text without the generation prompt, tools, tool arguments as strings) of one record, after
-    the text-level checks; raises RenderError."""
-    _check_control_tokens(tokenizer, messages)
+    the text-level checks; raises RenderError. ``specials``: ``special_token_strings(tokenizer)`` when known."""
+    _check_control_tokens(tokenizer, messages, specials)
     kwargs: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     tools = tools or None
     args_as_string = False
@@ -272,7 +381,12 @@ def _render_texts(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, en
         raise
     except Exception as e:  # jinja2 TemplateError, TypeError, KeyError from template code: all template problems
         raise RenderError(TEMPLATE_ERROR, f"chat template failed: {type(e).__name__}: {e}") from None
+    return _checked_texts(text, without_gen, without_tools, tools, args_as_string)
 
+
+def _checked_texts(text: str, without_gen: str, without_tools: str | None, tools: Any, args_as_string: bool
+                   ) -> tuple[str, str, Any, bool]:
+    """The text-level verdicts on one record's three renders (``_render_texts``' result); raises RenderError."""
     if text == without_gen:
         raise RenderError(MISSING_GENERATION_PROMPT, "add_generation_prompt=True does not append an assistant header; the model would continue the user turn")
     if tools and without_tools == text:
