@@ -1,5 +1,6 @@
 """Shared fixtures: the embedded demo target (built once, cached under ./.eagle_assets) and the shared data dir."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,11 @@ def pytest_collection_modifyitems(config, items):
     slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     order = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda item: (item.module.__name__ not in slow_modules, order[id(item)]))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per usable core, plus one. ``test_orchestration_live.py`` spends most of its minutes
+    waiting for a daemon's ticks and for runs in other processes; with a worker per core its worker would sit idle
+    through that wait while the rest of the suite queues on the other cores, the extra worker fills it."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores + 1
