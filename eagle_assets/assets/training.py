@@ -291,8 +291,10 @@ def build_training_assets() -> list:
         vocab = draft_vocab_from_arrays(np.load(vocab_dir / "d2t.npy"), np.load(vocab_dir / "t2d.npy"),
                                         np.load(vocab_dir / "token_counts.npy"))
         rows = mixed_training_rows(settings, keys)
-        validation = load_split_rows(settings, keys, "validation")
-        held = load_split_rows(settings, keys, "test")
+        # Shard order is the order replies came back from the server, which timing decides; the bootstrap
+        # intervals resample rows by position, so they are computed over rows in a fixed order.
+        validation = sorted(load_split_rows(settings, keys, "validation"), key=lambda r: (r[3], r[0]))
+        held = sorted(load_split_rows(settings, keys, "test"), key=lambda r: (r[3], r[0]))
         model_dir = target.resolve()
         out = settings.layout().stage_dir("drafter_checkpoint")
         config = config_from_catalog(t)
