@@ -290,7 +290,8 @@ def render_texts_batch(tokenizer: Any, records: Sequence[tuple[list[dict[str, An
     out: list[Any] = [None] * len(records)
     specials = special_token_strings(tokenizer)
     kwargs: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    groups: dict[str, list[int]] = {}
+    groups: dict[str, list[int]] = {}  # batchable records by their tools list
+    singles: list[int] = []  # records rendered one by one
     for i, (messages, tools) in enumerate(records):
         try:
             _check_control_tokens(tokenizer, messages, specials)
@@ -298,22 +299,20 @@ def render_texts_batch(tokenizer: Any, records: Sequence[tuple[list[dict[str, An
             out[i] = exc
             continue
         except Exception:  # malformed messages: the one-record path reports them as it always has
-            groups.setdefault("\0single", []).append(i)
-            continue
-        if not _batchable(messages):
-            groups.setdefault("\0single", []).append(i)
+            singles.append(i)
             continue
         try:
-            key = json.dumps(tools or None, sort_keys=True)
+            key = json.dumps(tools or None, sort_keys=True) if _batchable(messages) else None
         except (TypeError, ValueError):
-            key = "\0single"
-        groups.setdefault(key, []).append(i)
-    for key, idx in groups.items():
-        if key == "\0single":
-            for i in idx:
-                out[i] = _render_one(tokenizer, records[i], enable_thinking, specials)
+            key = None
+        if key is None:
+            singles.append(i)
         else:
-            _render_group(tokenizer, records, idx, records[idx[0]][1] or None, kwargs, enable_thinking, specials, out)
+            groups.setdefault(key, []).append(i)
+    for i in singles:
+        out[i] = _render_one(tokenizer, records[i], enable_thinking, specials)
+    for idx in groups.values():
+        _render_group(tokenizer, records, idx, records[idx[0]][1] or None, kwargs, enable_thinking, specials, out)
     return out
 
 
