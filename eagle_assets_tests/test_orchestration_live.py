@@ -209,9 +209,24 @@ def _step_window(instance: dg.DagsterInstance, run_id: str, step: str) -> tuple[
     return start, end
 
 
-def _files(root: Path):
-    """Every file of the deployment: DAGSTER_HOME (sqlite dbs, compute logs), the shards, the process logs."""
-    return [p for p in root.rglob("*") if p.is_file()]
+def _files(root: Path, skip_suffixes: tuple[str, ...] = ()):
+    """(path, bytes) of every file of the deployment: DAGSTER_HOME (sqlite dbs, compute logs), the shards, the
+    process logs.
+
+    The daemon and webserver stay up while this reads, so sqlite's ``-wal``/``-journal`` files can be
+    checkpointed away between the listing and the read; such a file is skipped (what it held is in its
+    database file, which is read).
+    """
+    out = []
+    for p in root.rglob("*"):
+        if p.suffix in skip_suffixes:
+            continue
+        try:
+            if p.is_file():
+                out.append((p, p.read_bytes()))
+        except FileNotFoundError:
+            continue
+    return out
 
 
 def test_webserver_binds_loopback_only_by_default(deployment):
@@ -241,9 +256,8 @@ def test_cli_backfill_runs_both_partitions_at_once_on_sqlite(deployment, backfil
     qc = deployment.store / "qc_shards"
     statuses = [json.loads((qc / r.tags["dagster/partition"] / "qc_status.json").read_text()) for r in backfilled]
     assert all(q["passed"] and q["rows"] == 4 for q in statuses) and sum(q["kept"] for q in statuses) > 0
-    locked = [str(p) for p in _files(deployment.root)
-              if p.suffix not in (".parquet", ".png", ".npy", ".safetensors")
-              and b"database is locked" in p.read_bytes()]
+    locked = [str(p) for p, data in _files(deployment.root, (".parquet", ".png", ".npy", ".safetensors"))
+              if b"database is locked" in data]
     assert not locked, f"'database is locked' in {locked}"
 
 
@@ -260,7 +274,7 @@ def test_planted_api_key_never_reaches_event_logs_metadata_or_files(deployment, 
         for entry in inst.all_logs(run.run_id):
             assert PLANTED_KEY not in dg.serialize_value(entry)
         assert PLANTED_KEY not in json.dumps(run.run_config) + json.dumps(run.tags)
-    leaked = [str(p) for p in _files(deployment.root) if key in p.read_bytes()]
+    leaked = [str(p) for p, data in _files(deployment.root) if key in data]
     assert not leaked, f"the API key leaked into {leaked}"
 
 
