@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,12 +79,13 @@ def check_summary_lines(result) -> list[str]:
 
 
 @contextlib.contextmanager
-def _partition_definitions(defs, catalog_path: Path, catalog):
+def _partition_definitions(defs, catalog_path: Path, catalog, prelaunch: bool = False):
     """The Definitions the partition runs use: ``defs`` itself, or, when the catalog launches its server (no
     ``server.url``) and the runs execute in this process, Definitions whose server resource launches through one
     shared launcher, so every partition of this command talks to one server (loaded once, on first use) instead of
     each run starting and stopping its own. The server is stopped on exit, before the training job, which on a GPU
-    host needs the memory (and launches its own in aux-capture mode when ``training.features`` is served)."""
+    host needs the memory (and launches its own in aux-capture mode when ``training.features`` is served).
+    ``prelaunch``: start launching it at once, in a background thread, instead of at the first generations step."""
     from eagle_assets.definitions import build_definitions
     from eagle_assets.k8s import executor_kind
     from eagle_assets.serving.resource import SGLangServerResource, shared_launcher
@@ -96,7 +98,29 @@ def _partition_definitions(defs, catalog_path: Path, catalog):
                          extra_args=list(server.extra_args)) as key:
         shared = SGLangServerResource(launch=server.launch, api_key_env=server.api_key_env,
                                       extra_args=list(server.extra_args), shared=key)
+        if prelaunch:
+            # Start the server now, while the first partition reads and tokenizes its prompts; its generations step
+            # then finds it ready (or waits on the launcher's lock). A launch that fails here is retried by that
+            # step, which reports the error.
+            model_dir = str(defs.resources["target"].resolve())
+            threading.Thread(target=_quietly, args=(shared.base_urls, model_dir), daemon=True,
+                             name="prelaunch-server").start()
         yield build_definitions(catalog_path, storage_root=defs.resources["settings"].storage_root, sglang=shared)
+
+
+def _quietly(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:  # the step that needs the server launches it again and raises with the log
+        pass
+
+
+def _first_run(layout, keys: list[str]) -> bool:
+    """Whether some of ``keys`` has no generations yet (so the run will need a server); a partition that has some
+    is resumed and launches one on demand, as does any run this says False for."""
+    from eagle_assets.storage import safe_name
+
+    return any(not any((layout.base / "generations" / safe_name(k)).glob("*.parquet")) for k in keys)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -131,7 +155,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"DAGSTER_HOME={home}; catalog {catalog_path}; storage {settings.storage_root}", flush=True)
     failed = []
     t_all = time.monotonic()
-    with _partition_definitions(defs, catalog_path, catalog) as partition_defs:
+    layout = Layout(Path(settings.storage_root), catalog_path.stem)
+    with _partition_definitions(defs, catalog_path, catalog, prelaunch=_first_run(layout, keys)) as partition_defs:
         for key in keys:
             t0 = time.monotonic()
             result = partition_defs.resolve_job_def(PARTITION_JOB).execute_in_process(
@@ -143,7 +168,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 print(line, flush=True)
             if not result.success:
                 failed.append(key)
-    layout = Layout(Path(settings.storage_root), catalog_path.stem)
     report = layout.base / "length_report" / "report.md"
     if report.exists():
         print(f"\nlength report: {report}\n{report.read_text()}")

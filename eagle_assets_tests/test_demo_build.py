@@ -112,25 +112,66 @@ def test_built_directory_loads_as_qwen3(tiny_target):
     assert 1 <= len(reply) <= 5 and all(0 <= t < cfg.vocab_size for t in reply)
 
 
-def test_gate_rejects_a_model_that_loops_and_says_what_to_do(tmp_path):
-    # TINY's weights are garbage: every reply runs to the cap. One committed prompt per kind keeps this quick.
-    gated = dataclasses.replace(TINY, gate_prompts_per_kind=1)
+# TINY's weights are garbage: every reply runs to the cap. One committed prompt per kind keeps the gate quick.
+GATED = dataclasses.replace(TINY, gate_prompts_per_kind=1)
+
+
+@pytest.fixture(scope="module")
+def gated_rejection(tmp_path_factory):
+    """(cache root, gate reference file, the DemoTargetRejected) of one gated TINY build (its gate ran)."""
+    root = tmp_path_factory.mktemp("gated")
+    ref = root / "reference.json"
     with pytest.raises(DemoTargetRejected) as info:
-        build_demo_target(tmp_path, recipe=gated, log=lambda _: None)
-    final = demo_target_path(tmp_path, gated)
-    assert not final.exists() and info.value.path == rejected_path(final) and info.value.path.is_dir()
-    message = str(info.value)
+        build_demo_target(root, recipe=GATED, log=lambda _: None, reference_path=ref)
+    return root, ref, info.value
+
+
+def test_gate_rejects_a_model_that_loops_and_says_what_to_do(gated_rejection):
+    root, _, rejection = gated_rejection
+    final = demo_target_path(root, GATED)
+    assert not final.exists() and rejection.path == rejected_path(final) and rejection.path.is_dir()
+    message = str(rejection)
     for kind in ("tool", "code", "math", "reasoning"):
         assert f"{kind}: structure ok 0/1" in message and f"{kind}: 1 of 1 replies reach the" in message
-    assert "point target.model" in message and str(info.value.path) in message
-    math = json.loads((info.value.path / "recipe.json").read_text())["gate"]["report"]["math"]
+    assert "point target.model" in message and str(rejection.path) in message
+    math = json.loads((rejection.path / "recipe.json").read_text())["gate"]["report"]["math"]
     assert (math["n"], math["ok"], math["at_cap"], math["cap"]) == (1, 0, 1, default_catalog_caps()["math"])
     # The verdict is kept: asking again fails at once instead of training the same weights again.
-    stamp = (info.value.path / "model.safetensors").stat().st_mtime_ns
+    stamp = (rejection.path / "model.safetensors").stat().st_mtime_ns
     t0 = time.monotonic()
     with pytest.raises(DemoTargetRejected):
-        build_demo_target(tmp_path, recipe=gated)
-    assert time.monotonic() - t0 < 1.0 and (info.value.path / "model.safetensors").stat().st_mtime_ns == stamp
+        build_demo_target(root, recipe=GATED)
+    assert time.monotonic() - t0 < 1.0 and (rejection.path / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_a_recorded_gate_verdict_stands_only_for_the_same_weights_and_gate_inputs(gated_rejection):
+    """The gate's verdict is a function of the weights' bytes and the gate's inputs: a rebuild that reproduces both
+    takes the recorded verdict (replies not regenerated); other inputs never match it. (That regenerated replies
+    equal the recorded ones is checked on the default target in ``test_demo_target.py``.)"""
+    from eagle_assets.demo import gate_reference
+    from eagle_assets.demo.build import record_gate_reference
+
+    root, ref, rejection = gated_rejection
+    ran = json.loads((rejection.path / "recipe.json").read_text())
+    assert "verified_by" not in ran["gate"] and len(ran["gate"]["reply_sha256"]) == 6
+    entry = record_gate_reference(rejection.path, reference_path=ref, log=lambda _: None)
+    assert json.loads(ref.read_text()) == {ran["weights_sha256"]: entry}
+
+    logs: list[str] = []
+    with pytest.raises(DemoTargetRejected) as again:
+        build_demo_target(root, recipe=GATED, log=logs.append, reference_path=ref, force=True)
+    reused = json.loads((again.value.path / "recipe.json").read_text())
+    assert reused["weights_sha256"] == ran["weights_sha256"]
+    assert reused["gate"]["verified_by"]["weights_sha256"] == ran["weights_sha256"]
+    assert {k: v for k, v in reused["gate"].items() if k != "verified_by"} == ran["gate"]
+    assert any("verdict stands" in line for line in logs) and not any("gate replies:" in line for line in logs)
+
+    refs = gate_reference.load_references(ref)
+    assert gate_reference.matching_reference(refs, ran["weights_sha256"], ran["gate"]["inputs_sha256"]) == entry
+    assert gate_reference.matching_reference(refs, ran["weights_sha256"], "0" * 64) is None  # e.g. decoder edited
+    assert gate_reference.matching_reference(refs, "f" * 64, ran["gate"]["inputs_sha256"]) is None  # other bytes
+    with pytest.raises(ValueError, match="taken from a reference"):
+        gate_reference.record(ref, ran["weights_sha256"], reused["gate"], ran["recipe_hash"])
 
 
 def test_repeated_count_line_is_masked_and_tokenization_unchanged(tiny_target):

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from eagle_assets.demo.evaluate import GATE_MIN_STRUCTURE_RATE, default_catalog_caps, evaluate_target
-from eagle_assets.demo.raw_samples import N_RECORDS, prompt_samples, turn_samples
+from eagle_assets.demo.evaluate import GATE_MIN_STRUCTURE_RATE, default_catalog_caps
+from eagle_assets.demo.raw_samples import N_RECORDS, turn_samples
 from eagle_assets.demo.transcripts import KINDS, TURN_KINDS
 
 pytestmark = pytest.mark.slow  # minutes when the target is not cached yet
@@ -30,11 +30,33 @@ def test_the_build_gate_passed_on_every_committed_prompt(demo_target):
 
 
 def test_structure_and_lengths_on_demo_prompts(demo_target, one_thread):
-    # Generated again here, independently of the build's own gate, on the first prompts of each file.
-    later = turn_samples()
-    samples = ([s for kind in KINDS for s in prompt_samples(kind)[:3]]
-               + [s for kind in TURN_KINDS for s in [t for t in later if t.kind == kind][:3]])
-    report = evaluate_target(demo_target, samples, default_catalog_caps())
+    """Generated again here, independently of the build, on the first prompts of each kind: the structure and
+    lengths hold, and every reply is, token for token, the one recorded in the gate verdict for these weights
+    (``demo/gate_reference.json``, which a fresh build takes instead of regenerating all 276 replies)."""
+    from transformers import AutoTokenizer
+
+    from eagle_assets.demo import gate_reference
+    from eagle_assets.demo.build import DemoRecipe, _gate_set
+    from eagle_assets.demo.evaluate import generate_replies, summarize_replies
+    from eagle_assets.serving.engine import load_causal_lm
+
+    meta = json.loads((demo_target / "recipe.json").read_text())
+    entry = gate_reference.load_references().get(meta["weights_sha256"])
+    assert entry is not None, (
+        f"no gate verdict is recorded for the default recipe's weights {meta['weights_sha256'][:12]}: run "
+        "`python -m eagle_assets.demo.build --record-gate-reference` and commit eagle_assets/demo/gate_reference.json")
+    tokenizer = AutoTokenizer.from_pretrained(demo_target)
+    samples, prompts, caps = _gate_set(tokenizer, DemoRecipe())
+    assert entry["gate_inputs_sha256"] == gate_reference.gate_inputs_digest(
+        tokenizer, prompts, caps, GATE_MIN_STRUCTURE_RATE), (
+        "the gate's inputs (prompts, caps, decoder or checker source, torch/transformers) changed since the verdict "
+        "was recorded: run `python -m eagle_assets.demo.build --record-gate-reference --regate`")
+    assert entry["gate"]["failures"] == [] and len(entry["gate"]["reply_sha256"]) == len(samples)
+    picks = [i for kind in KINDS + TURN_KINDS for i in [j for j, s in enumerate(samples) if s.kind == kind][:3]]
+    replies = generate_replies(load_causal_lm(str(demo_target), dtype="auto"), tokenizer,
+                               [prompts[i] for i in picks], [caps[i] for i in picks])
+    assert [gate_reference.reply_digest(r) for r in replies] == [entry["gate"]["reply_sha256"][i] for i in picks]
+    report = summarize_replies([samples[i] for i in picks], replies, tokenizer, default_catalog_caps())
     assert all(report[k]["ok"] == 3 and report[k]["at_cap"] == 0 for k in KINDS + TURN_KINDS), report
     median = {k: report[k]["median_tokens"] for k in KINDS}
     assert median["tool"] < 100 < 200 < min(median["math"], median["reasoning"]), median

@@ -188,3 +188,43 @@ def test_cli_partition_runs_share_one_launcher_only_when_the_catalog_launches_in
     monkeypatch.setenv("EAGLE_ASSETS_EXECUTOR", "k8s")  # steps in other pods cannot reach this process's server
     with _partition_definitions(defs, launched, load_catalog(launched)) as used:
         assert used is defs
+
+
+def test_cli_prelaunches_the_shared_server_while_the_first_partition_prepares(model_dir, tmp_path, monkeypatch):
+    """On a first run the shared server starts launching at once (a background thread), before any generations step
+    asks for it; the step then finds it ready. A run whose partitions all have generations launches on demand."""
+    import yaml
+
+    from eagle_assets.catalog import load_catalog
+    from eagle_assets.cli import _first_run, _partition_definitions
+    from eagle_assets.definitions import build_definitions
+    from eagle_assets.serving import resource as resource_module
+    from eagle_assets.storage import Layout
+
+    repo = Path(__file__).resolve().parents[1]
+    base = yaml.safe_load((repo / "catalogs" / "default.yaml").read_text())
+    for spec in base["partitions"].values():
+        for source in spec["sources"]:
+            source["path"] = str(repo / "catalogs" / source["path"])
+    base["target"]["model"] = model_dir
+    base["training"]["unseen_eval"] = None
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(base))
+    monkeypatch.delenv("EAGLE_ASSETS_EXECUTOR", raising=False)
+    layout = Layout(tmp_path / "store", path.stem)
+    keys = list(base["partitions"])
+    assert _first_run(layout, keys)
+    defs = build_definitions(path, storage_root=tmp_path / "store")
+    with _partition_definitions(defs, path, load_catalog(path), prelaunch=True) as used:
+        launcher = resource_module._shared[used.resources["sglang"].shared]
+        deadline = time.monotonic() + 120
+        while launcher.server is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert launcher.server is not None and launcher.server.model_path == model_dir  # no step asked for it
+        pid = launcher.server.process.pid
+        assert used.resources["sglang"].base_urls(model_dir) == [launcher.server.url]
+        assert launcher.server.process.pid == pid  # the step got the prelaunched server, not a second one
+    assert _gone(pid)
+    for key in keys:
+        (layout.stage_dir("generations", key) / "shard-00000.parquet").write_bytes(b"")
+    assert not _first_run(layout, keys)

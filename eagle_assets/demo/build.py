@@ -14,7 +14,12 @@ default catalog's ``max_new_tokens``, is kept aside as ``<hash>.rejected`` and t
 :class:`DemoTargetRejected`. On an idle 2-core machine it takes about four minutes (two workers in parallel);
 with one core, twice the training time, same bytes.
 
-CLI: ``python -m eagle_assets.demo.build [--force] [--cache-root DIR]`` prints the model directory.
+A build whose weights equal (sha256) those of a build whose gate ran, with the same gate inputs, takes that
+recorded verdict (:mod:`eagle_assets.demo.gate_reference`) instead of regenerating the replies: the bytes are the
+same, so is the verdict; it saves about a minute on an idle 2-core machine and two on a loaded one.
+
+CLI: ``python -m eagle_assets.demo.build [--force] [--cache-root DIR] [--regate] [--record-gate-reference]`` prints
+the model directory.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from eagle_assets.demo import transcripts
+from eagle_assets.demo import gate_reference, transcripts
 from eagle_assets.demo.tokenizer import EOS_TOKEN, PAD_TOKEN, train_demo_tokenizer
 from eagle_assets.demo.trainer import SHARDS, WORLD_SIZES
 from eagle_assets.demo.transcripts import DemoSample, completion_text, generate_mixture
@@ -181,7 +186,8 @@ def _rejection(path: Path) -> DemoTargetRejected:
 
 
 def build_demo_target(cache_root: Path | None = None, force: bool = False, recipe: DemoRecipe | None = None,
-                      log: Callable[[str], None] | None = None, workers: int | None = None) -> Path:
+                      log: Callable[[str], None] | None = None, workers: int | None = None,
+                      regate: bool | None = None, reference_path: Path | None = None) -> Path:
     """Return the demo target's model directory, building it first when it is absent (or ``force``).
 
     The build trains in worker processes with one thread each (:mod:`eagle_assets.demo.trainer`), so the model's
@@ -189,7 +195,9 @@ def build_demo_target(cache_root: Path | None = None, force: bool = False, recip
     (``recipe.gate_prompts_per_kind``; default every committed demo prompt) generates greedy replies to the
     committed demo prompts as the embedded server does, and accepts the model only when every kind has a
     structure rate of at least ``evaluate.GATE_MIN_STRUCTURE_RATE`` and no reply reaches the default catalog's
-    ``max_new_tokens``; the figures go into ``recipe.json`` (``gate``).
+    ``max_new_tokens``; the figures go into ``recipe.json`` (``gate``). When the trained weights' sha256 and the
+    gate's inputs equal those of a build whose gate ran (``reference_path``, :mod:`eagle_assets.demo.gate_reference`)
+    that verdict is taken instead of regenerating the replies (``gate.verified_by`` says so).
 
     Args:
         cache_root: parent directory of built targets; default :func:`default_cache_root`.
@@ -199,6 +207,9 @@ def build_demo_target(cache_root: Path | None = None, force: bool = False, recip
         log: progress callback (one line per phase); default prints to stderr.
         workers: training processes, 1 or 2 (the same bytes either way); default 2 when the machine has two
             cores or more.
+        regate: run the gate even when a reference verdict for these weights exists; default
+            ``EAGLE_ASSETS_DEMO_REGATE`` set to 1.
+        reference_path: the recorded gate verdicts; default the package's ``gate_reference.json``.
 
     Returns:
         ``<cache_root>/<first 16 hex chars of the recipe hash>``: a Hugging Face model directory. A directory
@@ -215,6 +226,8 @@ def build_demo_target(cache_root: Path | None = None, force: bool = False, recip
     recipe = recipe or DemoRecipe()
     log = log or (lambda msg: print(f"[demo-target] {msg}", file=sys.stderr, flush=True))
     workers = workers or (SHARDS if (os.cpu_count() or 1) >= SHARDS else 1)
+    if regate is None:
+        regate = os.environ.get("EAGLE_ASSETS_DEMO_REGATE", "") == "1"
     digest = recipe_hash(recipe)
     final = Path(cache_root or default_cache_root()) / digest[:16]
     rejected = rejected_path(final)
@@ -231,7 +244,7 @@ def build_demo_target(cache_root: Path | None = None, force: bool = False, recip
             raise _rejection(rejected)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
-            _build_into(tmp, recipe, digest, log, workers)
+            _build_into(tmp, recipe, digest, log, workers, regate, reference_path)
             # mkdtemp makes the directory 0700 and safetensors writes 0600; servers running as another user must
             # be able to read the target, as they can a normal model download.
             tmp.chmod(0o755)
@@ -424,7 +437,8 @@ def _plan_steps(rows: list[tuple[list[int], int, list[float], list[bool]]], reci
             for n, pair in enumerate(pairs)]
 
 
-def _build_into(out: Path, recipe: DemoRecipe, digest: str, log: Callable[[str], None], workers: int) -> None:
+def _build_into(out: Path, recipe: DemoRecipe, digest: str, log: Callable[[str], None], workers: int,
+                regate: bool = False, reference_path: Path | None = None) -> None:
     t0 = time.monotonic()
     corpus = generate_mixture(recipe.tokenizer_corpus_per_kind, recipe.seed + 10_000)
     bootstrap = train_demo_tokenizer(["bootstrap"], vocab_size=512)  # only its chat template is used here
@@ -458,8 +472,16 @@ def _build_into(out: Path, recipe: DemoRecipe, digest: str, log: Callable[[str],
         "prompt_loss_weight": recipe.prompt_loss_weight, "steps": steps}))
     (work / "rows.json").write_text(json.dumps(rows))
     gate_set = _gate_set(tokenizer, recipe)
+    references: dict[str, Any] = {}
     if gate_set is not None:
-        (work / "gate.json").write_text(json.dumps({"prompts": gate_set[1], "caps": gate_set[2]}))
+        from eagle_assets.demo.evaluate import GATE_MIN_STRUCTURE_RATE
+
+        inputs_sha = gate_reference.gate_inputs_digest(tokenizer, gate_set[1], gate_set[2], GATE_MIN_STRUCTURE_RATE)
+        references = {} if regate else {
+            sha: entry for sha, entry in gate_reference.load_references(reference_path).items()
+            if gate_reference.matching_reference({sha: entry}, sha, inputs_sha)}
+        (work / "gate.json").write_text(json.dumps({"prompts": gate_set[1], "caps": gate_set[2],
+                                                    "reference_weights_sha256": sorted(references)}))
     log(f"training: {len(rows)} transcripts, {len(steps)} steps, {sum(len(r[0]) for r in rows)} tokens, "
         f"{workers} worker process(es)")
     figures = _run_workers(work, workers, log)
@@ -470,19 +492,16 @@ def _build_into(out: Path, recipe: DemoRecipe, digest: str, log: Callable[[str],
     _portable_tokenizer_config(out / "tokenizer_config.json")
     gate: dict[str, Any] | None = None
     if gate_set is not None:
-        from eagle_assets.demo.evaluate import GATE_MIN_STRUCTURE_RATE, gate_failures, summarize_replies
-
-        samples_g, _, caps = gate_set
-        replies: list[list[int]] = [[] for _ in samples_g]
-        for f in sorted(work.glob("gate-*.json")):
-            part = json.loads(f.read_text())
-            for i, r in zip(part["index"], part["output_ids"]):
-                replies[i] = r
-        report = summarize_replies(samples_g, replies, tokenizer, dict(zip((s.kind for s in samples_g), caps)))
-        gate = {"min_structure_rate": GATE_MIN_STRUCTURE_RATE, "failures": gate_failures(report),
-                "report": {k: {key: v for key, v in r.items() if key != "examples"} for k, r in report.items()},
-                "examples": {k: r["examples"] for k, r in report.items() if r["examples"]}}
-        for kind, r in report.items():
+        weights_sha = figures["weights_sha256"]
+        if weights_sha in references:
+            gate = gate_reference.reference_gate(references[weights_sha], weights_sha)
+            recorded = references[weights_sha].get("recorded", {})
+            log(f"gate: the weights (sha256 {weights_sha[:12]}...) and the gate inputs equal those of the build "
+                f"gated at {recorded.get('at', '?')} (eagle_assets/demo/gate_reference.json), so its verdict "
+                "stands (EAGLE_ASSETS_DEMO_REGATE=1 runs it again)")
+        else:
+            gate = _gate_from_replies(work, gate_set, tokenizer)
+        for kind, r in gate["report"].items():
             log(f"gate {kind}: structure ok {r['ok']}/{r['n']}, {r['at_cap']} at the {r['cap']}-token cap, "
                 f"reply tokens {r['min_tokens']}-{r['max_tokens']} (median {r['median_tokens']})")
     shutil.rmtree(work)
@@ -492,6 +511,68 @@ def _build_into(out: Path, recipe: DemoRecipe, digest: str, log: Callable[[str],
         "build_seconds": round(time.monotonic() - t0, 1), "gate": gate,
     }, indent=2) + "\n")
     log(f"done in {time.monotonic() - t0:.0f}s")
+
+
+def _gate_from_replies(work: Path, gate_set, tokenizer) -> dict[str, Any]:
+    """recipe.json's ``gate`` from the workers' ``gate-<rank>.json`` files: the report per kind, the failed rules,
+    examples, the gate inputs' digest and each reply's digest (gate order)."""
+    from eagle_assets.demo.evaluate import GATE_MIN_STRUCTURE_RATE, gate_failures, summarize_replies
+
+    samples_g, _, caps = gate_set
+    replies: list[list[int]] = [[] for _ in samples_g]
+    for f in sorted(work.glob("gate-*.json")):
+        part = json.loads(f.read_text())
+        for i, r in zip(part["index"], part["output_ids"]):
+            replies[i] = r
+    report = summarize_replies(samples_g, replies, tokenizer, dict(zip((s.kind for s in samples_g), caps)))
+    return {"min_structure_rate": GATE_MIN_STRUCTURE_RATE, "failures": gate_failures(report),
+            "report": {k: {key: v for key, v in r.items() if key != "examples"} for k, r in report.items()},
+            "examples": {k: r["examples"] for k, r in report.items() if r["examples"]},
+            "inputs_sha256": gate_reference.gate_inputs_digest(tokenizer, gate_set[1], caps, GATE_MIN_STRUCTURE_RATE),
+            "reply_sha256": [gate_reference.reply_digest(r) for r in replies]}
+
+
+def record_gate_reference(model_dir: Path, reference_path: Path | None = None, regenerate: bool = False,
+                          workers: int | None = None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Record the gate verdict of the built target ``model_dir`` for its weights in ``reference_path`` (default:
+    the package's ``gate_reference.json``); returns the entry. See :mod:`eagle_assets.demo.gate_reference`.
+
+    The verdict is the one its build generated replies for; when the build took its verdict from a reference
+    (``gate.verified_by``) or ``regenerate`` is set, every gate reply is generated again first, in ``workers``
+    processes with the build's environment.
+
+    Raises:
+        ValueError: ``model_dir`` was built by a recipe without a gate (``gate_prompts_per_kind == 0``).
+        RuntimeError: a gate worker failed.
+    """
+    from transformers import AutoTokenizer
+
+    log = log or (lambda msg: print(f"[demo-target] {msg}", file=sys.stderr, flush=True))
+    model_dir = Path(model_dir)
+    meta = json.loads((model_dir / RECIPE_FILE).read_text())
+    gate = meta.get("gate")
+    if regenerate or not gate or "verified_by" in gate or "reply_sha256" not in gate:
+        fields = {f.name for f in dataclasses.fields(DemoRecipe)}
+        recipe = DemoRecipe(**{k: tuple(tuple(x) for x in v) if isinstance(v, list) else v
+                               for k, v in meta["recipe"].items() if k in fields})
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        gate_set = _gate_set(tokenizer, recipe)
+        if gate_set is None:
+            raise ValueError(f"{model_dir} was built by a recipe without a gate (gate_prompts_per_kind = 0)")
+        workers = workers or (SHARDS if (os.cpu_count() or 1) >= SHARDS else 1)
+        work = Path(tempfile.mkdtemp(prefix=".gate-", dir=model_dir.parent))
+        try:
+            (work / "job.json").write_text(json.dumps({"out": str(model_dir)}))
+            (work / "gate.json").write_text(json.dumps({"prompts": gate_set[1], "caps": gate_set[2]}))
+            _run_workers(work, workers, log, extra_args=("--gate-only",))
+            gate = _gate_from_replies(work, gate_set, tokenizer)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    weights_sha = hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()
+    path = Path(reference_path or gate_reference.default_reference_path())
+    entry = gate_reference.record(path, weights_sha, gate, meta["recipe_hash"])
+    log(f"recorded the gate of weights {weights_sha[:12]}... in {path}: failures {gate['failures'] or 'none'}")
+    return entry
 
 
 def _gate_set(tokenizer, recipe: DemoRecipe):
@@ -522,7 +603,8 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def _run_workers(work: Path, workers: int, log: Callable[[str], None]) -> dict[str, Any]:
+def _run_workers(work: Path, workers: int, log: Callable[[str], None], extra_args: tuple[str, ...] = ()
+                 ) -> dict[str, Any]:
     """Train in ``workers`` processes (1 or 2: same bytes, see :mod:`eagle_assets.demo.trainer`); returns
     ``train.json``. When two workers fail (gloo cannot start, for example) the build retries with one.
 
@@ -544,7 +626,7 @@ def _run_workers(work: Path, workers: int, log: Callable[[str], None]) -> dict[s
             err = open(work / f"worker-{rank}.err", "w+")
             errs.append(err)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "eagle_assets.demo.trainer", str(work), str(rank), str(world)],
+                [sys.executable, "-m", "eagle_assets.demo.trainer", str(work), str(rank), str(world), *extra_args],
                 stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=err, text=True,
                 env=_worker_env(), cwd=str(work)))
 
@@ -572,7 +654,7 @@ def _run_workers(work: Path, workers: int, log: Callable[[str], None]) -> dict[s
             tails.append(err.read()[-3000:])
             err.close()
         if all(c == 0 for c in codes):
-            return json.loads((work / "train.json").read_text())
+            return json.loads((work / "train.json").read_text()) if (work / "train.json").exists() else {}
         detail = next((t for t, c in zip(tails, codes) if c not in (0, -9)), tails[0])
         if world > 1:
             log(f"{world} training workers failed (exit codes {codes}); retrying in one process (same weights, "
@@ -595,12 +677,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle_assets.demo.build", description=__doc__.split("\n")[0])
     parser.add_argument("--force", action="store_true", help="rebuild even when a cached target exists")
     parser.add_argument("--cache-root", type=Path, default=None, help="default: $EAGLE_ASSETS_HOME/demo-target")
+    parser.add_argument("--regate", action="store_true",
+                        help="run the gate even when gate_reference.json has a verdict for the built weights")
+    parser.add_argument("--record-gate-reference", action="store_true",
+                        help="after the build, record its gate verdict for these weights in "
+                             "eagle_assets/demo/gate_reference.json (after a recipe or decoder change); with "
+                             "--regate the replies are generated again first")
     args = parser.parse_args(argv)
     try:
-        print(build_demo_target(args.cache_root, force=args.force))
+        path = build_demo_target(args.cache_root, force=args.force, regate=args.regate or None)
     except DemoTargetRejected as exc:
         print(exc, file=sys.stderr)
-        return 1
+        if not args.record_gate_reference:
+            return 1
+        path = exc.path
+    if args.record_gate_reference:
+        record_gate_reference(path, regenerate=args.regate)
+    print(path)
     return 0
 
 

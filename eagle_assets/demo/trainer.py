@@ -21,12 +21,18 @@ Files in the work directory (written by the build): ``job.json`` (model config, 
 ``train.json``; every rank then generates the gate replies of its share of the prompts (``gate-<rank>.json``), with
 the embedded server's decoder in float64 (:func:`eagle_assets.demo.evaluate.generate_replies`).
 
-CLI (started by the build, not by hand): ``python -m eagle_assets.demo.trainer WORK_DIR RANK WORLD``; progress
-lines on stdout (rank 0 only).
+Rank 0 also writes the sha256 of ``model.safetensors`` into ``train.json``; when ``gate.json`` lists that digest in
+``reference_weights_sha256`` (a build whose gate ran produced these exact bytes with the same gate inputs:
+:mod:`eagle_assets.demo.gate_reference`) the gate replies are not regenerated.
+
+CLI (started by the build, not by hand): ``python -m eagle_assets.demo.trainer WORK_DIR RANK WORLD [--gate-only]``
+(``--gate-only``: no training, only this rank's gate replies for the model in ``job["out"]``); progress lines on
+stdout (rank 0 only).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -139,6 +145,8 @@ def train(job: dict[str, Any], rows: list[list[Any]], rank: int, world: int):
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    gate_only = "--gate-only" in args
+    args = [a for a in args if a != "--gate-only"]
     work, rank, world = Path(args[0]), int(args[1]), int(args[2])
     if world not in WORLD_SIZES or not 0 <= rank < world:
         raise SystemExit(f"rank {rank} of world {world}: the demo build runs 1 or {SHARDS} workers")
@@ -150,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_interop_threads(1)
     torch.use_deterministic_algorithms(True)
     job = json.loads((work / "job.json").read_text())
+    gate_file = work / "gate.json"
+    if gate_only:  # regenerate the gate replies of an existing model (recording a gate reference); no collective
+        _gate_share(Path(job["out"]), json.loads(gate_file.read_text()), rank, world, work)
+        return 0
     rows = json.loads((work / "rows.json").read_text())
     if world > 1:
         dist.init_process_group("gloo", store=dist.FileStore(str(work / "store"), world), rank=rank,
@@ -163,12 +175,15 @@ def main(argv: list[str] | None = None) -> int:
             model.generation_config = GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id,
                                                        bos_token_id=None, do_sample=False)
             model.save_pretrained(out, safe_serialization=True)
+            figures["weights_sha256"] = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
             (work / "train.json").write_text(json.dumps(figures) + "\n")
         if world > 1:
             dist.barrier()
-        gate_file = work / "gate.json"
         if gate_file.exists():
-            _gate_share(out, json.loads(gate_file.read_text()), rank, world, work)
+            gate = json.loads(gate_file.read_text())
+            sha = json.loads((work / "train.json").read_text())["weights_sha256"]
+            if sha not in gate.get("reference_weights_sha256", []):  # else the build takes the recorded verdict
+                _gate_share(out, gate, rank, world, work)
     finally:
         if world > 1:
             dist.destroy_process_group()
