@@ -156,6 +156,19 @@ def test_embedded_server_exits_when_its_launcher_is_killed(model_dir, tmp_path):
         launcher.wait(10)
 
 
+def _default_catalog() -> dict:
+    """catalogs/default.yaml as a dict, its source paths made absolute and without the unseen-source evaluation."""
+    import yaml
+
+    repo = Path(__file__).resolve().parents[1]
+    base = yaml.safe_load((repo / "catalogs" / "default.yaml").read_text())
+    for spec in base["partitions"].values():
+        for source in spec["sources"]:
+            source["path"] = str(repo / "catalogs" / source["path"])
+    base["training"]["unseen_eval"] = None
+    return base
+
+
 def test_cli_partition_runs_share_one_launcher_only_when_the_catalog_launches_in_process(tmp_path, monkeypatch):
     import yaml
 
@@ -164,12 +177,7 @@ def test_cli_partition_runs_share_one_launcher_only_when_the_catalog_launches_in
     from eagle_assets.definitions import build_definitions
     from eagle_assets.serving import resource as resource_module
 
-    repo = Path(__file__).resolve().parents[1]
-    base = yaml.safe_load((repo / "catalogs" / "default.yaml").read_text())
-    for spec in base["partitions"].values():
-        for source in spec["sources"]:
-            source["path"] = str(repo / "catalogs" / source["path"])
-    base["training"]["unseen_eval"] = None
+    base = _default_catalog()
     launched = tmp_path / "launch.yaml"
     launched.write_text(yaml.safe_dump(base))
     base["server"] = {"url": "http://127.0.0.1:30000"}
@@ -201,13 +209,8 @@ def test_cli_prelaunches_the_shared_server_while_the_first_partition_prepares(mo
     from eagle_assets.serving import resource as resource_module
     from eagle_assets.storage import Layout
 
-    repo = Path(__file__).resolve().parents[1]
-    base = yaml.safe_load((repo / "catalogs" / "default.yaml").read_text())
-    for spec in base["partitions"].values():
-        for source in spec["sources"]:
-            source["path"] = str(repo / "catalogs" / source["path"])
+    base = _default_catalog()
     base["target"]["model"] = model_dir
-    base["training"]["unseen_eval"] = None
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(base))
     monkeypatch.delenv("EAGLE_ASSETS_EXECUTOR", raising=False)
