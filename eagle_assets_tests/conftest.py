@@ -12,7 +12,7 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 @pytest.fixture(scope="session")
 def demo_target() -> Path:
     """Directory of the embedded demo target (a real tiny Qwen3 + tokenizer), built and gated on first use (about
-    four minutes on an idle 2-core machine), then reused from the cache by every later session. The one fixture
+    two and a half minutes on an idle 2-core machine), then reused from the cache by every later session. The one fixture
     every test that needs the default target takes, so a session builds it at most once; tests of the build itself
     use small recipes (``test_demo_build.py``)."""
     from eagle_assets.demo.build import build_demo_target
@@ -68,3 +68,13 @@ def pytest_xdist_auto_num_workers(config):
     through that wait while the rest of the suite queues on the other cores, the extra worker fills it."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cores + 1
+
+
+@pytest.fixture(scope="session")
+def target8(demo_target, tmp_path_factory) -> Path:
+    """An 8-layer variant of the demo target (``tiny_targets.write_deeper_copy``: its tokenizer and trained layers,
+    four more near-identity ones), for the aux-capture tests: SGLang's default ids ``[2, 4, 5]`` are distinct there
+    and other layer sets exist. Written in about a second."""
+    from eagle_assets_tests.tiny_targets import write_deeper_copy
+
+    return write_deeper_copy(demo_target, tmp_path_factory.mktemp("target8") / "model")

@@ -45,7 +45,7 @@ def test_default_catalog():
     assert all(cat.partitions[k].limit == 48 for k in cat.partition_keys)
     paths = cat.partition("B1_glaive").resolved_sources(check_exists=False)
     assert paths == [((REPO / "catalogs" / "demo_data" / "B1_glaive.json").resolve(), "glaive")]
-    assert cat.training.ttt_steps == 7 and cat.training.aux_layer_ids is None
+    assert cat.training.ttt_steps == 7 and cat.training.aux_layer_ids == [1, 2, 3]  # the 4-layer demo target
 
 
 def test_shared_real_catalog_resolves_to_shared_data(monkeypatch):

@@ -1,7 +1,8 @@
-"""Drafter features served over SGLang's aux-capture protocol: the real embedded demo target behind our real HTTP
-server, compared with the trainer's local features (eagle_assets.drafter.features) computed in this process.
+"""Drafter features served over SGLang's aux-capture protocol: an 8-layer variant of the embedded demo target
+(conftest ``target8``: its trained layers and four near-identity ones, so SGLang's default capture ids ``[2, 4, 5]``
+and other layer sets exist) behind our real HTTP server, compared with the trainer's local features (eagle_assets.drafter.features) computed in this process.
 
-What is real here: the demo target (a trained tiny Qwen3), the aiohttp server and its engine, HTTP, orjson, the
+What is real here: that target (a real Qwen3 checkpoint directory), the aiohttp server and its engine, HTTP, orjson, the
 safetensors shards on disk, the drafter's TTT loss and AdamW. What is not: SGLang itself (no GPU here); its side of
 the protocol is read from the 0.5.23 source (eagle_assets.serving.aux_capture, eagle_assets.serving.server) and the
 pure rules (layer ids per model class) are tested against that reading below.
@@ -51,16 +52,16 @@ def _one_thread(one_thread):
 
 
 @pytest.fixture(scope="module")
-def served(demo_target):
-    with serve_in_thread(str(demo_target), enable_return_aux_hidden_states=True,
+def served(target8):
+    with serve_in_thread(str(target8), enable_return_aux_hidden_states=True,
                          speculative_algorithm="EAGLE3") as running:
         yield running
 
 
 @pytest.fixture(scope="module")
-def local(demo_target):
+def local(target8):
     """The target as the trainer loads it (float32, eval)."""
-    return AutoModelForCausalLM.from_pretrained(str(demo_target), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(target8), dtype=torch.float32).eval()
 
 
 def _post(url: str, body: dict) -> dict:
@@ -71,9 +72,9 @@ def _post(url: str, body: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def rows(demo_target, served):
+def rows(target8, served):
     """The target's own greedy rows: chat prompt + 24 generated tokens, loss mask on the generated ones."""
-    tok = AutoTokenizer.from_pretrained(str(demo_target))
+    tok = AutoTokenizer.from_pretrained(str(target8))
     out = []
     for q in QUESTIONS:
         text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
@@ -87,9 +88,9 @@ def rows(demo_target, served):
     return out
 
 
-def _source(demo_target, url, **settings) -> ServedFeatureSource:
+def _source(target8, url, **settings) -> ServedFeatureSource:
     spec = ServedFeaturesSpec(source="served", url=url, **settings)
-    return ServedFeatureSource(str(demo_target), spec, target_name="demo")
+    return ServedFeatureSource(str(target8), spec, target_name="demo")
 
 
 def _vocab(local) -> int:
@@ -121,28 +122,28 @@ def test_reply_shapes_follow_sglang(served, local, rows):
     assert len(last["meta_info"]["hidden_states"]) == w
 
 
-def test_server_refuses_hidden_states_it_was_not_launched_for(demo_target):
-    with serve_in_thread(str(demo_target)) as plain:
+def test_server_refuses_hidden_states_it_was_not_launched_for(target8):
+    with serve_in_thread(str(target8)) as plain:
         req = urllib.request.Request(plain.url + "/generate", data=json.dumps(
             {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}, "return_hidden_states": True}).encode())
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req)
         assert err.value.code == 400 and "not configured to return hidden states" in err.value.read().decode()
-        source = _source(demo_target, plain.url)
+        source = _source(target8, plain.url)
         with pytest.raises(ServedFeaturesError, match="not launched in aux-capture mode"):
             source.check_server()
 
 
-def test_server_flag_checks_mirror_sglang(demo_target):
+def test_server_flag_checks_mirror_sglang(target8):
     with pytest.raises(AuxCaptureError, match="requires --enable-return-aux-hidden-states"):
-        ModelServer(str(demo_target), return_aux_hidden_state_layer_ids=[1, 3, 4])
+        ModelServer(str(target8), return_aux_hidden_state_layer_ids=[1, 3, 4])
     with pytest.raises(AuxCaptureError, match="needs --speculative-algorithm EAGLE3"):
-        ModelServer(str(demo_target), enable_return_aux_hidden_states=True)
+        ModelServer(str(target8), enable_return_aux_hidden_states=True)
     with pytest.raises(AuxCaptureError, match="out of range"):
-        ModelServer(str(demo_target), enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
+        ModelServer(str(target8), enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
                     return_aux_hidden_state_layer_ids=[1, 3, 8])
     with pytest.raises(AuxCaptureError, match="would be the input of layer 8"):  # plus_one: 7 -> capture 8
-        ModelServer(str(demo_target), enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
+        ModelServer(str(target8), enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
                     return_aux_hidden_state_layer_ids=[1, 3, 7])
 
 
@@ -167,7 +168,7 @@ def test_layer_id_rules_per_model_class():
     assert flag_ids_for_capture([1, 30, 58], "deepseek")[0] != 1  # a leading 1 would shift every id
 
 
-def test_launch_flags(demo_target):
+def test_launch_flags(target8):
     kimi = AuxCapture(layer_ids=None, max_row_tokens=16384)
     assert kimi.server_args("sglang") == ["--speculative-algorithm", "EAGLE3", "--enable-return-aux-hidden-states",
                                           "--disable-radix-cache", "--chunked-prefill-size", "16384"]
@@ -175,7 +176,7 @@ def test_launch_flags(demo_target):
     assert custom.server_args("embedded", ["--speculative-algorithm", "EAGLE3"]) == [
         "--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids", "58", "1", "30"]
     # the embedded CLI takes the same flags as SGLang and reports what it captures in /server_info
-    with launched_server(str(demo_target), aux_capture=AuxCapture(layer_ids=(0, 3, 5))) as srv:
+    with launched_server(str(target8), aux_capture=AuxCapture(layer_ids=(0, 3, 5))) as srv:
         with urllib.request.urlopen(srv.url + "/server_info") as resp:
             info = json.loads(resp.read())
     assert "--enable-return-aux-hidden-states" in srv.command
@@ -183,7 +184,7 @@ def test_launch_flags(demo_target):
     assert info["return_aux_hidden_state_layer_ids"] == [0, 3, 5] and info["speculative_algorithm"] is None
 
 
-def test_sglang_command_passes_non_default_layer_ids(demo_target):
+def test_sglang_command_passes_non_default_layer_ids(target8):
     """The sglang launch mode's command line for served features: ``--return-aux-hidden-state-layer-ids`` only
     when the catalog's ``aux_layer_ids`` (capture ids) differ from SGLang's default, written under the target's
     own layer-id rule (built, not run: no SGLang here)."""
@@ -194,7 +195,7 @@ def test_sglang_command_passes_non_default_layer_ids(demo_target):
                                     aux_capture=AuxCapture.for_target(config, capture_ids, max_row_tokens=4096), **kw)
         return cmd, shown
 
-    qwen3 = json.loads((demo_target / "config.json").read_text())  # 8 layers, +1 rule, default [2, 4, 5]
+    qwen3 = json.loads((target8 / "config.json").read_text())  # 8 layers, +1 rule, default [2, 4, 5]
     cmd, _ = command(qwen3, None)
     assert cmd == ["python", "-m", "sglang.launch_server", "--model-path", "/models/m", "--host", "127.0.0.1",
                    "--port", "30000", "--speculative-algorithm", "EAGLE3", "--enable-return-aux-hidden-states",
@@ -226,8 +227,8 @@ def test_sglang_command_passes_non_default_layer_ids(demo_target):
 
 
 # --------------------------------------------------------------------------------------- features vs local ones
-def test_served_aux_hidden_states_equal_local_features(demo_target, served, local, rows):
-    source = _source(demo_target, served.url, teacher="hard")
+def test_served_aux_hidden_states_equal_local_features(target8, served, local, rows):
+    source = _source(target8, served.url, teacher="hard")
     assert source.capture_ids == aux_layer_ids(local.config.num_hidden_layers) == [2, 4, 5]
     got = list(served_features(rows, source))
     assert all(not isinstance(f, RefusedRow) for f in got)
@@ -242,21 +243,21 @@ def test_served_aux_hidden_states_equal_local_features(demo_target, served, loca
     assert source.stats.teacher_positions == sum(int(m[1:].sum()) for _, m in rows)
     assert source.stats.hard_label_disagreement == 0.0
     # another layer set through the flag, under the demo's (Qwen3: plus_one) rule
-    with serve_in_thread(str(demo_target), enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
+    with serve_in_thread(str(target8), enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
                          return_aux_hidden_state_layer_ids=[0, 2, 6]) as other:
-        src = ServedFeatureSource(str(demo_target), ServedFeaturesSpec(source="served", url=other.url),
+        src = ServedFeatureSource(str(target8), ServedFeaturesSpec(source="served", url=other.url),
                                   capture_ids=[1, 3, 7])
         assert src.flag_layer_ids == [0, 2, 6]
         f = next(served_features(rows[:1], src))
         aux, _ = run_target(local, torch.from_numpy(rows[0][0]), [1, 3, 7])
         torch.testing.assert_close(f.aux_hidden, aux[0], atol=1e-4, rtol=1e-4)
         with pytest.raises(ServedFeaturesError, match=r"captures layers \[1, 3, 7\]"):
-            _source(demo_target, other.url).check_server()  # expects the default [2, 4, 5]
+            _source(target8, other.url).check_server()  # expects the default [2, 4, 5]
 
 
-def test_topk_teacher_matches_local_logprobs(demo_target, served, local, rows):
+def test_topk_teacher_matches_local_logprobs(target8, served, local, rows):
     k = 8
-    source = _source(demo_target, served.url, teacher="topk", top_k=k)
+    source = _source(target8, served.url, teacher="topk", top_k=k)
     for (ids, mask), f in zip(rows, served_features(rows, source)):
         _, final = run_target(local, torch.from_numpy(ids), source.capture_ids)
         q = torch.from_numpy(teacher_positions(mask))
@@ -277,9 +278,9 @@ def _draft_vocab(rows, vocab_size, size):
     return build_draft_vocab(count_completion_tokens(rows, vocab_size), vocab_size, size)
 
 
-def test_full_vocab_topk_teacher_is_the_local_teacher(demo_target, served, local, rows):
+def test_full_vocab_topk_teacher_is_the_local_teacher(target8, served, local, rows):
     vocab = _draft_vocab(rows, _vocab(local), 256)
-    source = _source(demo_target, served.url, teacher="topk", top_k=_vocab(local))
+    source = _source(target8, served.url, teacher="topk", top_k=_vocab(local))
     feats = list(served_features(rows, source))
     in_draft = torch.from_numpy(vocab.t2d)
     draft_ids = torch.from_numpy(vocab.draft_token_ids)
@@ -301,7 +302,7 @@ def test_full_vocab_topk_teacher_is_the_local_teacher(demo_target, served, local
     torch.testing.assert_close(got.teacher_p, want.teacher_p, atol=1e-5, rtol=1e-4)
 
 
-def test_training_on_served_features_gives_the_local_drafter(demo_target, served, local, rows):
+def test_training_on_served_features_gives_the_local_drafter(target8, served, local, rows):
     """A few TTT optimizer steps from the same seed: local features vs features served over HTTP."""
     from eagle_assets.drafter.feature_cache import make_batches, pad, prepare_rows
     from eagle_assets.drafter.model import DrafterConfig, Eagle3DraftModel
@@ -315,9 +316,9 @@ def test_training_on_served_features_gives_the_local_drafter(demo_target, served
     draft_ids = torch.from_numpy(vocab.draft_token_ids)
     in_draft = torch.from_numpy(vocab.t2d)
     head = local.get_output_embeddings().weight.detach()[draft_ids].float()
-    embed = read_target_tensor(demo_target, "embed_tokens.weight").float()  # no model needed for the drafter
+    embed = read_target_tensor(target8, "embed_tokens.weight").float()  # no model needed for the drafter
     torch.testing.assert_close(embed, local.get_input_embeddings().weight.detach().float())
-    source = _source(demo_target, served.url, teacher="topk", top_k=V)
+    source = _source(target8, served.url, teacher="topk", top_k=V)
     cache = ServedFeatureCache(prepared, source, "memory", vocab.draft_token_ids, vocab.target_vocab_size)
     assert cache.usable() == list(range(len(prepared)))
 
@@ -362,8 +363,8 @@ def test_training_on_served_features_gives_the_local_drafter(demo_target, served
 
 
 # ------------------------------------------------------------------------------------------------- the shards
-def test_shard_cache_round_trip_and_refusals(demo_target, served, rows, tmp_path):
-    source = _source(demo_target, served.url, teacher="topk", top_k=4, shard_mb=0.1)
+def test_shard_cache_round_trip_and_refusals(target8, served, rows, tmp_path):
+    source = _source(target8, served.url, teacher="topk", top_k=4, shard_mb=0.1)
     first = list(served_features(rows, source, cache_dir=tmp_path))
     shards = sorted(tmp_path.glob("features-*.safetensors"))
     assert source.stats.shards_written == len(shards) >= 2
@@ -405,8 +406,8 @@ def test_shard_cache_round_trip_and_refusals(demo_target, served, rows, tmp_path
         verify_shard(shards[0], source.spec)
 
 
-def test_refused_rows_are_counted_not_fatal(demo_target, served, rows):
-    source = _source(demo_target, served.url, teacher="hard")
+def test_refused_rows_are_counted_not_fatal(target8, served, rows):
+    source = _source(target8, served.url, teacher="hard")
     ids, mask = rows[0]
     raw = json.dumps(_post(served.url, json.loads(source.request_body(ids, "r0")))).encode()
     reply = json.loads(raw)
@@ -430,12 +431,12 @@ def test_refused_rows_are_counted_not_fatal(demo_target, served, rows):
     assert source.stats.refused == {"bad_request": 1} and source.stats.rows_ok == 2
 
 
-def test_feature_cache_modes_agree(demo_target, served, rows, tmp_path):
+def test_feature_cache_modes_agree(target8, served, rows, tmp_path):
     from eagle_assets.drafter.feature_cache import prepare_rows
 
     prepared, _, _ = prepare_rows(rows, 1 << 20, 4096)
     vocab = np.arange(64, dtype=np.int64)
-    source = _source(demo_target, served.url, teacher="topk", top_k=3, shard_mb=0.1)
+    source = _source(target8, served.url, teacher="topk", top_k=3, shard_mb=0.1)
     caches = {mode: ServedFeatureCache(prepared, source, mode, vocab, 1 << 20,
                                        cache_dir=tmp_path if mode == "disk" else None)
               for mode in ("memory", "disk", "none")}
@@ -450,8 +451,8 @@ def test_feature_cache_modes_agree(demo_target, served, rows, tmp_path):
     assert torch.equal(view.get([1])[0][0], want[0][0]) and torch.equal(view.get([0])[0][0], want[2][0])
 
 
-def test_workers_fill_one_cache_together(demo_target, served, rows, tmp_path):
-    source = _source(demo_target, served.url, teacher="hard", shard_mb=0.05)  # ~35 tokens of 3H floats a shard
+def test_workers_fill_one_cache_together(target8, served, rows, tmp_path):
+    source = _source(target8, served.url, teacher="hard", shard_mb=0.05)  # ~35 tokens of 3H floats a shard
     parts = [list(served_features(rows, source, cache_dir=tmp_path, worker=w, workers=2)) for w in range(2)]
     assert min(len(p) for p in parts) >= 1 and sum(len(p) for p in parts) == len(rows)
     requests = source.stats.requests
@@ -459,8 +460,8 @@ def test_workers_fill_one_cache_together(demo_target, served, rows, tmp_path):
     assert source.stats.requests == requests  # the union of both workers' shards is the whole cache
 
 
-def test_source_without_url_until_a_server_is_launched(demo_target, served, rows):
-    source = ServedFeatureSource(str(demo_target), ServedFeaturesSpec(source="served"))
+def test_source_without_url_until_a_server_is_launched(target8, served, rows):
+    source = ServedFeatureSource(str(target8), ServedFeaturesSpec(source="served"))
     with pytest.raises(ServedFeaturesError, match="--enable-return-aux-hidden-states"):
         list(served_features(rows[:1], source))
     source.use_urls(served.url + "/generate")
@@ -533,12 +534,12 @@ class _FaultProxy:
         self._thread.join(10)
 
 
-def test_bad_replies_are_retried_by_the_serving_client_then_refused(demo_target, served, rows):
+def test_bad_replies_are_retried_by_the_serving_client_then_refused(target8, served, rows):
     """HTTP, retries and backoff are the serving client's: a spoiled reply or a 503 is retried; a row whose replies
     stay unusable is refused with the reason after max_attempts, and the other rows are unaffected."""
     script = {"0": ["short"], "1": ["503", "503"], "2": ["short", "short", "short"]}
     with _FaultProxy(served.url, script) as proxy:
-        source = _source(demo_target, proxy.url, teacher="hard", max_attempts=3, concurrency=2)
+        source = _source(target8, proxy.url, teacher="hard", max_attempts=3, concurrency=2)
         got = list(served_features(rows[:4], source))
     assert [type(g).__name__ for g in got] == ["RowFeatures", "RowFeatures", "RefusedRow", "RowFeatures"]
     assert got[2].reason == "short_prefill" and "3 attempts" in got[2].detail
@@ -546,5 +547,5 @@ def test_bad_replies_are_retried_by_the_serving_client_then_refused(demo_target,
     assert sorted(proxy.seen) == ["0", "0", "1", "1", "1", "2", "2", "2", "3"]
     assert source.stats.requests == 9 and source.stats.retries == 5
     assert source.stats.refused == {"short_prefill": 1} and source.stats.rows_ok == 3
-    direct = list(served_features(rows[:2], _source(demo_target, served.url, teacher="hard")))
+    direct = list(served_features(rows[:2], _source(target8, served.url, teacher="hard")))
     assert all(torch.equal(a.aux_hidden, b.aux_hidden) for a, b in zip(got[:2], direct))

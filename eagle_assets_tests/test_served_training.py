@@ -1,8 +1,8 @@
 """The drafter trainer on served features (catalog ``training.features.source: served``) against the trainer on
-local features: the real embedded demo target behind our real aiohttp server in SGLang's aux-capture mode, and
-``train_drafter`` end to end (rows, batches, TTT, AdamW, validation curve with simulated acceptance, export).
+local features: an 8-layer variant of the embedded demo target (conftest ``target8``) behind our real aiohttp
+server in SGLang's aux-capture mode, and ``train_drafter`` end to end (rows, batches, TTT, AdamW, validation curve with simulated acceptance, export).
 
-What is real: the demo target, the server and its engine (float64), HTTP through the serving client, orjson, the
+What is real: that target, the server and its engine (float64), HTTP through the serving client, orjson, the
 safetensors feature shards, the trainer. What is not: SGLang itself (no GPU here; docs/served_features.md says
 what follows its source only).
 
@@ -49,8 +49,8 @@ def _one_thread(one_thread):
 
 
 @pytest.fixture(scope="module")
-def served(demo_target):
-    with serve_in_thread(str(demo_target), enable_return_aux_hidden_states=True,
+def served(target8):
+    with serve_in_thread(str(target8), enable_return_aux_hidden_states=True,
                          speculative_algorithm="EAGLE3") as running:
         yield running
 
@@ -64,11 +64,11 @@ def _generate(url: str, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def rows(demo_target, served):
+def rows(target8, served):
     """Chat prompt + 20 tokens the target generated greedily (loss mask on them): 4 training, 2 validation rows.
     The validation rows' tail is replaced by other tokens after 10, so the acceptance simulation must re-run the
     target on prefixes off the row (served: a request each)."""
-    tok = AutoTokenizer.from_pretrained(str(demo_target))
+    tok = AutoTokenizer.from_pretrained(str(target8))
     out = []
     for q in QUESTIONS:
         text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
@@ -104,16 +104,16 @@ def test_catalog_switch():
         FeaturesSpec(source="served", teachr="topk")
 
 
-def test_served_training_gives_the_local_drafter(demo_target, served, rows, tmp_path, monkeypatch):
+def test_served_training_gives_the_local_drafter(target8, served, rows, tmp_path, monkeypatch):
     train_rows, validation = rows
-    config = json.loads((demo_target / "config.json").read_text())
+    config = json.loads((target8 / "config.json").read_text())
     vocab_size = int(config["vocab_size"])
     vocab = _vocab(train_rows, vocab_size)
     cfg = _config()
 
-    local = train_drafter(demo_target, train_rows, vocab, cfg, tmp_path / "local", validation_rows=validation)
+    local = train_drafter(target8, train_rows, vocab, cfg, tmp_path / "local", validation_rows=validation)
     # where training started: the same seed with a learning rate too small to move anything
-    train_drafter(demo_target, train_rows, vocab, _config(lr=1e-12), tmp_path / "init")
+    train_drafter(target8, train_rows, vocab, _config(lr=1e-12), tmp_path / "init")
 
     # the served run must not load the target's weights: only config.json and the embedding tensor
     def no_target(_dir):
@@ -123,7 +123,7 @@ def test_served_training_gives_the_local_drafter(demo_target, served, rows, tmp_
     spec = FeaturesSpec(source="served", url=served.url, teacher="topk", top_k=vocab_size, cache="disk",
                         cache_dir=str(tmp_path / "features"), shard_mb=0.2)
     lines: list[str] = []
-    remote = train_drafter(demo_target, train_rows, vocab, cfg, tmp_path / "served", validation_rows=validation,
+    remote = train_drafter(target8, train_rows, vocab, cfg, tmp_path / "served", validation_rows=validation,
                            features=spec, log=lines.append)
     assert sorted((tmp_path / "features").glob("features-*.safetensors")), "no verified feature shards written"
 
@@ -156,7 +156,7 @@ def test_served_training_gives_the_local_drafter(demo_target, served, rows, tmp_
     # a rerun on the same rows reads the verified shards: the same drafter, not one request to the server
     # (no validation rows here: their acceptance re-runs would ask the server for greedy tokens)
     before = _submitted(served.url)
-    again = train_drafter(demo_target, train_rows, vocab, cfg, tmp_path / "again", features=spec)
+    again = train_drafter(target8, train_rows, vocab, cfg, tmp_path / "again", features=spec)
     assert _submitted(served.url) == before
     c = load_file(str(tmp_path / "again" / "model.safetensors"))
     assert all(torch.equal(c[n], b[n]) for n in b) and again.skip_reasons == {}
@@ -167,7 +167,7 @@ def _submitted(url: str) -> int:
         return int(json.loads(resp.read())["engine"]["requests_submitted"])
 
 
-def test_hard_teacher_rows_refused_by_the_server_are_skipped(demo_target, rows, tmp_path):
+def test_hard_teacher_rows_refused_by_the_server_are_skipped(target8, rows, tmp_path):
     """A server that refuses a row (here: longer than its context) costs that row, counted by reason, not the run;
     the hard teacher trains on the rows' own tokens."""
     train_rows, _ = rows
@@ -175,28 +175,28 @@ def test_hard_teacher_rows_refused_by_the_server_are_skipped(demo_target, rows, 
     context = max(lengths)  # the server refuses a prompt of context_length tokens or more (HTTP 400)
     refused = sum(n >= context for n in lengths)
     assert 0 < refused < len(lengths)
-    config = json.loads((demo_target / "config.json").read_text())
+    config = json.loads((target8 / "config.json").read_text())
     vocab = _vocab(train_rows, int(config["vocab_size"]))
-    with serve_in_thread(str(demo_target), enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
+    with serve_in_thread(str(target8), enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
                          context_length=context) as short:
         spec = FeaturesSpec(source="served", url=short.url, teacher="hard", cache="memory")
-        source = feature_source(demo_target, spec, train_module.load_target, lambda _l: None)
+        source = feature_source(target8, spec, train_module.load_target, lambda _l: None)
         assert isinstance(source, ServedFeatures)
         prepared, reasons, _ = prepare_rows(train_rows, int(config["vocab_size"]), 512)
         kept = source.admit(prepared, reasons, "train", [2, 4, 5], vocab)
         assert len(kept) == len(lengths) - refused and reasons == {"served_bad_request": refused}
         assert [r.ids.size for r in kept] == [n for n in lengths if n < context]
         assert source.source.stats.hard_label_disagreement == 0.0  # the rows are the target's own greedy output
-        result = train_drafter(demo_target, train_rows, vocab, _config(epochs=1), tmp_path / "hard", features=spec)
+        result = train_drafter(target8, train_rows, vocab, _config(epochs=1), tmp_path / "hard", features=spec)
     assert result.rows_used == len(lengths) - refused and result.skip_reasons == {"served_bad_request": refused}
     assert np.isfinite([s.loss for s in result.steps]).all()
 
 
-def test_served_needs_a_url_and_a_model_directory(demo_target, tmp_path):
+def test_served_needs_a_url_and_a_model_directory(target8, tmp_path):
     with pytest.raises(ValueError, match="needs training.features.url"):
-        feature_source(demo_target, FeaturesSpec(source="served"), train_module.load_target, print)
+        feature_source(target8, FeaturesSpec(source="served"), train_module.load_target, print)
     with pytest.raises(ValueError, match="cache_dir"):
-        feature_source(demo_target, FeaturesSpec(source="served", url="http://127.0.0.1:9"),
+        feature_source(target8, FeaturesSpec(source="served", url="http://127.0.0.1:9"),
                        train_module.load_target, print)
 
 

@@ -1,4 +1,4 @@
-"""The embedded default target: a tiny Qwen3 trained on seeded synthetic transcripts, built on CPU in ~4 minutes,
+"""The embedded default target: a tiny Qwen3 trained on seeded synthetic transcripts, built on CPU in ~2.5 minutes,
 the same bytes at any load or thread setting, and accepted only when it passes its quality gate.
 
 Public API::

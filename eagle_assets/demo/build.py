@@ -11,7 +11,7 @@ processes pinned to one thread each (fixed, not time-boxed, and independent of l
 weights' bytes depend only on the recipe) -> the quality gate: greedy replies to every committed demo prompt, as
 the embedded server generates them; a model with a structure rate under 98% for a kind, or any reply at the
 default catalog's ``max_new_tokens``, is kept aside as ``<hash>.rejected`` and the build raises
-:class:`DemoTargetRejected`. On an idle 2-core machine it takes about four minutes (two workers in parallel);
+:class:`DemoTargetRejected`. On an idle 2-core machine it takes about two and a half minutes (two workers in parallel);
 with one core, twice the training time, same bytes.
 
 A build whose weights equal (sha256) those of a build whose gate ran, with the same gate inputs, takes that
@@ -57,11 +57,13 @@ RECIPE_FILE = "recipe.json"
 class DemoRecipe:
     """Everything the demo target's weights depend on (besides the source files hashed with it).
 
-    Model shape: 8 layers so SGLang's default EAGLE-3 capture ids ``[2, L//2, L-3]`` = ``[2, 4, 5]`` are distinct;
-    ``vocab_multiple`` pads ``config.vocab_size`` past ``len(tokenizer)`` as real checkpoints do (Qwen3: 151,936
+    Model shape: 4 layers (capture ids ``[1, 2, 3]``, set in ``catalogs/default.yaml``: SGLang's default
+    ``[2, L//2, L-3]`` collides below 7 layers). 8 layers (default ids ``[2, 4, 5]``) passed the gate as well but
+    cost 1.6x the training time (204 s against 123 s on an idle 2-core machine) and twice the decode time of every
+    generation; 4 passed it with every committed prompt well-formed and none at a cap. ``vocab_multiple`` pads ``config.vocab_size`` past ``len(tokenizer)`` as real checkpoints do (Qwen3: 151,936
     embedding rows for 151,669 tokens), so consumers must not assume the two are equal.
 
-    Training (about 800 AdamW steps over 1,700 transcripts, 642k tokens; about 230 CPU seconds in each of two
+    Training (about 800 AdamW steps over 1,700 transcripts, 642k tokens; about 125 CPU seconds in each of two
     worker processes, see :mod:`eagle_assets.demo.trainer`): ``train_counts`` fresh transcripts per kind, each seen once, in
     length-sorted batches of at most ``batch_tokens`` padded tokens (two shards of half that); linear warmup, then
     cosine decay to ``min_lr_ratio * lr``. The loss covers prompt tokens at ``prompt_loss_weight`` (prompts are
@@ -101,7 +103,7 @@ class DemoRecipe:
     vocab_multiple: int = 64
     hidden_size: int = 128
     intermediate_size: int = 384
-    num_hidden_layers: int = 8
+    num_hidden_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 32
