@@ -102,9 +102,13 @@ def _partition_definitions(defs, catalog_path: Path, catalog, prelaunch: bool = 
             # Start the server now, while the first partition reads and tokenizes its prompts; its generations step
             # then finds it ready (or waits on the launcher's lock). A launch that fails here is retried by that
             # step, which reports the error.
-            model_dir = str(defs.resources["target"].resolve())
-            threading.Thread(target=_quietly, args=(shared.base_urls, model_dir), daemon=True,
-                             name="prelaunch-server").start()
+            try:
+                model_dir = str(defs.resources["target"].resolve())
+            except (OSError, ValueError):  # a missing model directory: the generations step reports it
+                model_dir = None
+            if model_dir is not None:
+                threading.Thread(target=_quietly, args=(shared.base_urls, model_dir), daemon=True,
+                                 name="prelaunch-server").start()
         yield build_definitions(catalog_path, storage_root=defs.resources["settings"].storage_root, sglang=shared)
 
 

@@ -231,3 +231,10 @@ def test_cli_prelaunches_the_shared_server_while_the_first_partition_prepares(mo
     for key in keys:
         (layout.stage_dir("generations", key) / "shard-00000.parquet").write_bytes(b"")
     assert not _first_run(layout, keys)
+    # A model directory that does not exist is the generations step's error to report, not the prelaunch's.
+    base["target"]["model"] = str(tmp_path / "no-such-model")
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(yaml.safe_dump(base))
+    defs = build_definitions(missing, storage_root=tmp_path / "store2")
+    with _partition_definitions(defs, missing, load_catalog(missing), prelaunch=True) as used:
+        assert resource_module._shared[used.resources["sglang"].shared].server is None
