@@ -54,12 +54,27 @@ def _no_leftover_defs_state_storage():
     _current_storage.reset(token)
 
 
+def _slow_seconds(item) -> float:
+    marker = item.get_closest_marker("slow")
+    return float(marker.kwargs.get("seconds", 60)) if marker else 0.0
+
+
+def pytest_configure(config):
+    # pytest-xdist reorders ``loadfile`` scopes by their number of tests unless told not to, which would undo the
+    # order below and start the longest module (6 tests, ~6 minutes) last.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
-    """Modules holding a ``slow`` test run first (their order inside kept): under ``-n auto --dist loadfile`` a long
-    module that starts last would leave the other workers idle while it finishes."""
-    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    """Modules holding a ``slow`` test run first, the longest first (``slow(seconds=...)``: its minutes in a
+    parallel session), their order inside kept: under ``-n auto --dist loadfile`` a long module that starts last
+    leaves the other workers idle while it finishes (longest-first is the classic fix for that tail)."""
+    seconds: dict[str, float] = {}
+    for item in items:
+        seconds[item.module.__name__] = max(seconds.get(item.module.__name__, 0.0), _slow_seconds(item))
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (item.module.__name__ not in slow_modules, order[id(item)]))
+    items.sort(key=lambda item: (-seconds[item.module.__name__], order[id(item)]))
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -14,7 +14,7 @@ from eagle_assets.demo.evaluate import GATE_MIN_STRUCTURE_RATE, default_catalog_
 from eagle_assets.demo.raw_samples import N_RECORDS, turn_samples
 from eagle_assets.demo.transcripts import KINDS, TURN_KINDS
 
-pytestmark = pytest.mark.slow  # minutes when the target is not cached yet
+pytestmark = pytest.mark.slow(seconds=30)  # minutes more when the target is not cached yet
 
 
 def test_the_build_gate_passed_on_every_committed_prompt(demo_target):

@@ -31,6 +31,8 @@ from eagle_assets.drafter.train_command import read_rows, train_result_from_dict
 from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
 from tiny_targets import tiny_qwen3
 
+pytestmark = pytest.mark.slow(seconds=70)  # its share of a parallel session: scheduled early (conftest)
+
 VOCAB, LAYERS = 300, 8
 ATOL = 1e-5
 # 13 rows of 16-40 tokens and one of 120 (a batch of its own, so rank 1 gets an empty shard there), batches of at

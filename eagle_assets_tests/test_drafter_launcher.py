@@ -26,6 +26,8 @@ from eagle_assets.drafter.train import train_drafter
 from eagle_assets.drafter.train_command import read_config, read_draft_vocab, read_rows
 from tiny_targets import tiny_qwen3
 
+pytestmark = pytest.mark.slow(seconds=85)  # its share of a parallel session: scheduled early (conftest)
+
 VOCAB, LAYERS, ROWS = 300, 8, 24
 ATOL = 1e-5  # see test_drafter_ddp.py
 

@@ -18,6 +18,8 @@ import yaml
 from eagle_assets.definitions import build_definitions
 from eagle_assets.formats import REJECT_REASONS
 
+pytestmark = pytest.mark.slow(seconds=50)  # its share of a parallel session: scheduled early (conftest)
+
 DATA = Path(__file__).resolve().parent / "data"
 
 

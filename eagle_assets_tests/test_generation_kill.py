@@ -39,6 +39,8 @@ from eagle_assets.serving.protocol import SamplingParams
 from eagle_assets.serving.stub_server import StubServer, serve_stub_in_thread
 from eagle_assets.storage import read_shards, shard_paths
 
+pytestmark = pytest.mark.slow(seconds=55)  # its share of a parallel session: scheduled early (conftest)
+
 REPO = Path(__file__).resolve().parents[1]
 # A zygote: one interpreter imports the generation code once, then forks one child per run on request, so a trial
 # costs a fork instead of an interpreter start (~1 s of imports on 2 busy cores). Protocol, one line each: the test

@@ -28,6 +28,8 @@ import yaml
 
 from eagle_assets.serving.stub_server import StubServer, serve_stub_in_thread
 
+pytestmark = pytest.mark.slow(seconds=60)  # its share of a parallel session: scheduled early (conftest)
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -30,7 +30,7 @@ from eagle_assets.definitions import PARTITION_JOB, build_definitions
 from eagle_assets.serving.stub_server import StubServer, serve_stub_in_thread
 from eagle_assets.storage import read_shards, shard_paths
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow(seconds=90), pytest.mark.timeout(600)]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KEYS = ["B1_glaive", "B2_code"]

@@ -31,7 +31,7 @@ from dagster._core.scheduler.instigation import InstigatorType, TickStatus
 
 from eagle_assets.assets.schedules import IN_FLIGHT
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow(seconds=400), pytest.mark.timeout(600)]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -22,6 +22,8 @@ from eagle_assets.quality.segment_batch import segment_batch, segment_flat
 from test_quality_families import (  # noqa: F401  (fixtures used by name)
     FAMILY_NAMES, _drop_cases, _keep_cases, deepseek_tok, families, kimi_tok, qwen_tok)
 
+pytestmark = pytest.mark.slow(seconds=40)  # its share of a parallel session: scheduled early (conftest)
+
 
 def _table(rows: list[dict]) -> pa.Table:
     cols = {f.name: [r.get(f.name) for r in rows] for f in GENERATION_SCHEMA}

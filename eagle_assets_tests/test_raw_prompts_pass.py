@@ -3,7 +3,8 @@ replaced: every record gathered as dicts (``collect_prompt_rows``), sorted by th
 ``limit``, sorted by (source_file, source_row), written with one ``pq.write_table``.
 
 Compared on every partition of ``catalogs/default.yaml`` (byte for byte: one row group), on a synthetic ShareGPT
-source of 50k records with planted duplicates and bad lines (same rows; several row groups), on a file listed
+source of 12k records with planted duplicates and bad lines (same rows; small buffers, so many row groups, spill
+batches and id-set merges), on a file listed
 twice, and for memory: tracemalloc's peak over 4x the records must not grow 4x (the in-memory path grows with the
 rows). The duplicate-id set is checked against a plain dict over merges.
 """
@@ -67,13 +68,17 @@ def test_default_catalog_partitions_are_byte_identical_to_the_in_memory_path(tmp
     assert [p.name for p in (tmp_path / "new").iterdir()] != [] and not list((tmp_path / "new").glob(".*"))
 
 
-def test_a_50k_record_source_gives_the_same_rows_in_bounded_row_groups(tmp_path):
+def test_a_12k_record_source_gives_the_same_rows_in_bounded_row_groups(tmp_path, monkeypatch):
+    # buffers 8x smaller than the defaults, so 12k records cross as many row groups and spills as ~100k would
+    monkeypatch.setattr(raw_prompts_pass, "SPILL_ROWS", 128)
+    monkeypatch.setattr(raw_prompts_pass, "ROW_GROUP_ROWS", 1024)
+    monkeypatch.setattr(SeenIds, "MERGE_EVERY", 512)
     src = tmp_path / "big.jsonl"
-    _sharegpt(src, 50_000)
+    _sharegpt(src, 12_000)
     sources = [(src, "sharegpt")]
     kept, rejects = collect_prompt_rows("S", sources, "last_user")
-    assert 4_000 < len(rejects) < 6_000  # duplicates and bad lines planted
-    for limit, seed in ((None, 3), (5_000, 11)):
+    assert 900 < len(rejects) < 1_500  # duplicates and bad lines planted
+    for limit, seed in ((None, 3), (1_200, 11)):
         out = tmp_path / f"new_{limit}"
         got = write_raw_prompts("S", sources, "last_user", out, seed=seed, limit=limit)
         rows = sorted(kept.values(), key=lambda r: sample_order(seed, r["sample_id"]))[:limit]
@@ -129,12 +134,12 @@ def _peak_bytes(fn) -> int:
 
 def test_peak_memory_does_not_grow_with_the_records(tmp_path, monkeypatch):
     # small buffers, so that a few thousand records already span many spill batches and row groups
-    monkeypatch.setattr(raw_prompts_pass, "SPILL_ROWS", 128)
-    monkeypatch.setattr(raw_prompts_pass, "ROW_GROUP_ROWS", 256)
-    monkeypatch.setattr(SeenIds, "MERGE_EVERY", 256)
+    monkeypatch.setattr(raw_prompts_pass, "SPILL_ROWS", 64)
+    monkeypatch.setattr(raw_prompts_pass, "ROW_GROUP_ROWS", 128)
+    monkeypatch.setattr(SeenIds, "MERGE_EVERY", 128)
     small, large = tmp_path / "small.jsonl", tmp_path / "large.jsonl"
-    _sharegpt(small, 1_000)
-    _sharegpt(large, 4_000)
+    _sharegpt(small, 600)
+    _sharegpt(large, 2_400)
     write_raw_prompts("W", [(small, "sharegpt")], "last_user", tmp_path / "warm")  # imports and caches first
     for limit in (None, 100):
         peaks = [_peak_bytes(lambda p=p: write_raw_prompts("W", [(p, "sharegpt")], "last_user",

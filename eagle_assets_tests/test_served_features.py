@@ -42,6 +42,8 @@ from eagle_assets.serving.aux_capture import (
 from eagle_assets.serving.launch import launched_server
 from eagle_assets.serving.server import ModelServer, serve_in_thread
 
+pytestmark = pytest.mark.slow(seconds=50)  # its share of a parallel session: scheduled early (conftest)
+
 QUESTIONS = ["What is 12 plus 30?", "Write a function that adds two numbers.", "Why is the sky blue?",
              "List three prime numbers.", "Convert 5 km to meters.", "Name a sorting algorithm."]
 

@@ -39,6 +39,8 @@ from eagle_assets.drafter.train import train_drafter
 from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
 from eagle_assets.serving.server import serve_in_thread
 
+pytestmark = pytest.mark.slow(seconds=40)  # its share of a parallel session: scheduled early (conftest)
+
 QUESTIONS = ["What is 7 times 6?", "Write a function that reverses a list.", "Why do leaves fall?",
              "Name two planets.", "Convert 3 hours to minutes.", "Give a word that rhymes with cat."]
 

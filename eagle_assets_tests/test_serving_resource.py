@@ -19,6 +19,8 @@ from eagle_assets.serving.protocol import GenerateReply, SamplingParams
 from eagle_assets.serving.resource import SGLangServerResource, shared_launcher
 from eagle_assets.serving.tiny_model import write_tiny_causal_lm
 
+pytestmark = pytest.mark.slow(seconds=70)  # its share of a parallel session: scheduled early (conftest)
+
 SP = SamplingParams(max_new_tokens=4, temperature=0.0)
 
 

@@ -41,6 +41,9 @@ from test_quality_fuzz_replies import BLANK, CONTROL, VOCAB
 from test_quality_qc_pass import PROFILE, _random_rows
 
 
+pytestmark = pytest.mark.slow(seconds=60)  # its share of a parallel session: scheduled early (conftest)
+
+
 def _prompt_table(rng: random.Random, n: int, with_unknown_opens: bool = False) -> pa.Table:
     ids = [[rng.randint(0, 40) for _ in range(rng.randint(1, 9))] for _ in range(n)]
     opens = [rng.random() < 0.7 for _ in range(n)]

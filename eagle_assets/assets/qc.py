@@ -11,7 +11,6 @@ import pyarrow.parquet as pq
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.versions import directory_content_version
 from eagle_assets.quality.lengths import format_table, length_report as compute_length_report
-from eagle_assets.quality.plots import length_histogram_png, png_markdown
 from eagle_assets.quality.qc_pass import QC_SCHEMA, QC_SKIP_REASONS, ROWS_SCHEMA, qc_partition  # noqa: F401
 from eagle_assets.quality.segment import DROP_REASONS, FLAGS
 from eagle_assets.quality.thresholds import Outcome, evaluate_token_structure, reason_levels
@@ -116,6 +115,8 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
              "shards": len(result.shards)},
             out / QC_STATUS_FILE,
         )
+        from eagle_assets.quality.plots import length_histogram_png, png_markdown  # matplotlib: ~0.7 s to import
+
         png = length_histogram_png(
             {"reasoning": result.reasoning_tokens, "answer": result.answer_tokens, "total": result.completion_tokens},
             f"{key}: response lengths", short_tokens=thresholds.get("short_tokens"), cap=max_new,
@@ -178,6 +179,8 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
             t = pq.read_table(f, columns=["partition", "completion_tokens"])
             if t.num_rows:
                 series[t.column("partition")[0].as_py()] = t.column("completion_tokens").to_pylist()
+        from eagle_assets.quality.plots import length_histogram_png, png_markdown
+
         png = length_histogram_png(series, "completion tokens by partition", short_tokens=short)
         (out / "lengths.png").write_bytes(png)
         by_turn = _turn_length_report(catalog, layout, out, short)

@@ -1,6 +1,15 @@
 """Reading raw records from JSON arrays, JSON Lines (``.json`` files that are really JSON Lines included, as in
 BFCL), gzip-compressed variants of both and Parquet, with per-record faults reported as data, not exceptions.
 
+A top-level JSON array is streamed: one element in memory at a time plus a read buffer of ~1 MiB
+(:func:`_iter_array`), however large the file (glaive-function-calling-v2 ships as one 113k-record array). It is
+read twice: a first pass checks that the whole document parses, so a broken array is still refused before any
+record is yielded, with the message of a whole-document ``json.load``. Elements are decoded by the standard
+library's own decoder (``json.JSONDecoder.raw_decode``), so every value is what ``json.load`` gives: ``NaN``,
+``1e400``, lone ``\\ud800`` escapes and duplicate keys included (a C streaming parser such as ijson's yajl
+backend refuses the first two and turns lone surrogates into ``?``, which would hide records the loader must
+reject as ``invalid_unicode``). A ``{"data": [...]}`` wrapper document is still read whole.
+
 One bad character never loses a file: text is decoded as UTF-8 with ``surrogateescape``, so a byte that is not
 UTF-8 becomes a lone surrogate inside the record's strings (the loader then rejects that record as
 ``invalid_unicode``) or breaks that one line's JSON (``bad_json``); the other records read normally.
@@ -87,6 +96,107 @@ def _load_document(path: Path, what: str) -> Any:
             raise FormatError(f"{path}: {what} but cannot be parsed ({type(e).__name__}: {str(e)[:200]}); convert it to JSON Lines (one record per line, so one bad record costs only itself)") from None
 
 
+_ARRAY_READ_CHARS = 1 << 20  # characters read per refill of the array buffer
+_SNIFF_CHARS = 1 << 16  # characters of the first line read to tell a JSON array from JSON Lines
+_SKIP_WHITESPACE = json.decoder.WHITESPACE.match  # JSON's whitespace, as the decoder itself skips it
+_EMPTY = object()
+
+
+class _ArrayEnd(ValueError):
+    """The streamed array is not one well-formed JSON array (the caller re-reads the file whole for the message)."""
+
+
+def _iter_array(path: Path) -> Iterator[Any]:
+    """The elements of the top-level JSON array in ``path``, in order, decoded one at a time.
+
+    Memory: the current element plus a buffer of ``_ARRAY_READ_CHARS`` characters (more only while one element
+    is larger than that). A value that touches the end of the buffer is decoded again after a refill, since a
+    number or a literal there may continue past it (``12`` of ``123``).
+
+    Raises:
+        _ArrayEnd: the text is not one JSON array followed by whitespace only (a bad element, a missing comma or
+        bracket, trailing data); ``json.JSONDecodeError``/``ValueError``/``RecursionError`` from the decoder are
+        wrapped in it.
+    """
+    decoder = json.JSONDecoder()
+    with _open_text(path) as fh:
+        buf, pos, eof = "", 0, False
+
+        def fill(grow: bool = False) -> bool:
+            """Append the next chunk; ``grow``: at least as much again as is buffered (a value that did not fit
+            is decoded again after each refill, so doubling keeps a huge or broken one linear in its size)."""
+            nonlocal buf, pos, eof
+            if eof:
+                return False
+            chunk = fh.read(max(_ARRAY_READ_CHARS, len(buf) - pos) if grow else _ARRAY_READ_CHARS)
+            if not chunk:
+                eof = True
+                return False
+            buf, pos = buf[pos:] + chunk, 0
+            return True
+
+        def next_char() -> str:
+            """The next non-whitespace character (not consumed), or "" at the end of the file."""
+            nonlocal pos
+            while True:
+                pos = _SKIP_WHITESPACE(buf, pos).end()
+                if pos < len(buf) or not fill():
+                    return buf[pos] if pos < len(buf) else ""
+
+        if next_char() != "[":
+            raise _ArrayEnd("the document does not start with '['")
+        pos += 1
+        if next_char() == "]":
+            pos += 1
+        else:
+            while True:
+                if not next_char():
+                    raise _ArrayEnd("the array ends before its closing ']'")
+                while True:
+                    try:
+                        value, end = decoder.raw_decode(buf, pos)
+                    except json.JSONDecodeError as e:
+                        if fill(grow=True):
+                            continue
+                        raise _ArrayEnd(f"element does not parse: {e.msg}") from None
+                    except (ValueError, RecursionError) as e:
+                        raise _ArrayEnd(f"element does not parse: {type(e).__name__}") from None
+                    if end == len(buf) and fill(grow=True):
+                        continue
+                    break
+                pos = end
+                yield value
+                sep = next_char()
+                pos += 1
+                if sep == "]":
+                    break
+                if sep != ",":
+                    raise _ArrayEnd(f"expected ',' or ']' after an element, found {sep!r}")
+        if next_char():
+            raise _ArrayEnd("data after the array's closing ']'")
+
+
+def _iter_array_checked(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(index, element)`` of a top-level JSON array, streamed by :func:`_iter_array` after a first pass over
+    the whole file found it well formed.
+
+    Raises:
+        FormatError: the file is not one valid JSON array (the message of ``_load_document``); raised before any
+        element is yielded.
+    """
+    try:
+        for _ in _iter_array(path):
+            pass
+    except _ArrayEnd:
+        # the whole-document parse gives the exact error (line, column) or, for what only it accepts, the data
+        yield from enumerate(_unwrap_document(_load_document(path, "starts with '['")))
+        return
+    try:
+        yield from enumerate(_iter_array(path))
+    except _ArrayEnd as e:
+        raise FormatError(f"{path}: the file changed while it was read ({e}); read it again once it is complete") from None
+
+
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     """Rows of a Parquet file (the Hugging Face Hub's native format) as dicts, read one batch at a time."""
     import pyarrow as pa
@@ -104,6 +214,21 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
                 row += 1
     except (pa.ArrowException, OSError) as e:
         yield row, BadLine(f"the Parquet file cannot be read past row {row} ({type(e).__name__}: {e}); every later row is missing: re-download the file", TRUNCATED_FILE)
+
+
+def _more_lines(path: Path) -> bool:
+    """Whether any non-blank line follows the first non-blank line of ``path`` (read in bounded chunks)."""
+    state = 0  # 0: before the first non-blank line, 1: inside it, 2: after it
+    with _open_text(path) as fh:
+        while chunk := fh.read(_ARRAY_READ_CHARS):
+            for i, piece in enumerate(chunk.split("\n")):
+                if i and state == 1:
+                    state = 2
+                if piece.strip():
+                    if state == 2:
+                        return True
+                    state = max(state, 1)
+    return False
 
 
 def iter_raw_records(path: str | Path) -> Iterator[tuple[int, Any]]:
@@ -130,26 +255,30 @@ def iter_raw_records(path: str | Path) -> Iterator[tuple[int, Any]]:
     try:
         _check_encoding(path)
         with _open_text(path) as fh:
-            first_line, more_lines = "", False
-            for first_line in fh:
-                if first_line.strip():
+            first_line = ""
+            while True:  # the first non-blank line, at most _SNIFF_CHARS of it: a one-line array can be gigabytes
+                first_line = fh.readline(_SNIFF_CHARS)
+                if not first_line or first_line.strip():
                     break
-            more_lines = any(line.strip() for line in fh)
             stripped = first_line.lstrip()
-        first_is_value = not isinstance(_parse_line(0, first_line), BadLine)
+            if stripped.startswith("{") and not first_line.endswith("\n"):
+                first_line += fh.readline()  # the whole first record (JSON Lines reads it whole anyway)
         if stripped.startswith("["):
             try:
-                doc = _load_document(path, "starts with '['")
+                array = _iter_array_checked(path)
+                first = next(array, _EMPTY)  # the check pass runs here, before anything is yielded
             except FormatError:
                 # A pretty-printed array (a bare "[" line) or a one-line array is one broken document; any other
                 # file of several lines is JSON Lines whose first record is an array or broken: read line by line.
-                if stripped.strip() == "[" or not more_lines:
+                if stripped.strip() == "[" or not _more_lines(path):
                     raise
-                doc = None
-            if doc is not None:
-                yield from enumerate(_unwrap_document(doc))
+                array = None
+            if array is not None:
+                if first is not _EMPTY:
+                    yield first
+                    yield from array
                 return
-        elif stripped.startswith("{") and not first_is_value:
+        elif stripped.startswith("{") and isinstance(_parse_line(0, first_line), BadLine):
             # one pretty-printed JSON document (a JSON Lines file whose first line is broken falls through)
             try:
                 doc = _load_document(path, "starts with '{'")
