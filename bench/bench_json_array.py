@@ -1,7 +1,7 @@
 """Reading one large JSON-array source (issue 16: glaive-function-calling-v2 ships as a single ~113k-record array):
 seconds and peak RSS of ``formats.reader.iter_raw_records`` over every record, this tree against another tree
 (``--baseline DIR``, e.g. ``git worktree add /tmp/base <commit before the streaming reader>``), side by side in one
-run, each in a fresh process (its own ``ru_maxrss``).
+run, each in a fresh process (its own ``VmHWM``).
 
 The file: ``--records N`` glaive-shaped records (a system prompt with a function schema, a chat of 2-6 turns, ~1.5 KB
 each), written once as one JSON array with ``json.dump`` (one line, as ``datasets`` exports it).
@@ -22,13 +22,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec from the forking parent (which built the file)
 CHILD = """
-import resource, sys, time
+import sys, time
+def hwm_kb():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
 sys.path.insert(0, sys.argv[1])
 from eagle_assets.formats.reader import iter_raw_records
+imported = hwm_kb()
 t = time.perf_counter()
 n = sum(1 for _ in iter_raw_records(sys.argv[2]))
-print(n, time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(n, time.perf_counter() - t, hwm_kb(), imported)
 """
 
 
@@ -47,11 +51,12 @@ def write_array(path: Path, n: int, seed: int = 0) -> None:
         json.dump(records, fh)
 
 
-def measure(tree: Path, path: Path) -> tuple[int, float, float]:
-    """(records, seconds, peak RSS in MB) of one fresh process reading ``path`` with ``tree``'s reader."""
+def measure(tree: Path, path: Path) -> tuple[int, float, float, float]:
+    """(records, seconds, peak RSS in MB, RSS in MB once the reader is imported) of one fresh process reading
+    ``path`` with ``tree``'s reader."""
     out = subprocess.run([sys.executable, "-c", CHILD, str(tree), str(path)], capture_output=True, text=True,
                          check=True).stdout.split()
-    return int(out[0]), float(out[1]), int(out[2]) / 1024
+    return int(out[0]), float(out[1]), int(out[2]) / 1024, int(out[3]) / 1024
 
 
 def main() -> int:
@@ -71,11 +76,11 @@ def main() -> int:
         results = []
         for name, tree in rows:
             results.append((name, *measure(tree, path)))
-        print(f"{'reader':<24}{'records':>10}{'seconds':>10}{'peak RSS MB':>13}")
-        for name, n, sec, rss in results:
-            print(f"{name:<24}{n:>10,}{sec:>10.2f}{rss:>13.0f}")
+        print(f"{'reader':<24}{'records':>10}{'seconds':>10}{'peak RSS MB':>13}{'of it imports':>15}")
+        for name, n, sec, rss, base in results:
+            print(f"{name:<24}{n:>10,}{sec:>10.2f}{rss:>13.0f}{base:>15.0f}")
         if len(results) == 2:
-            (_, n0, s0, r0), (_, n1, s1, r1) = results
+            (_, n0, s0, r0, _), (_, n1, s1, r1, _) = results
             assert n0 == n1, "the readers disagree on the number of records"
             print(f"ratio baseline/this: seconds {s1 / s0:.2f}x, peak RSS {r1 / r0:.2f}x")
     return 0
