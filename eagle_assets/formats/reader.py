@@ -4,7 +4,7 @@ BFCL), gzip-compressed variants of both and Parquet, with per-record faults repo
 A top-level JSON array is streamed: one element in memory at a time plus a read buffer of ~1 MiB
 (:func:`_iter_array`), however large the file (glaive-function-calling-v2 ships as one 113k-record array). It is
 read twice: a first pass checks that the whole document parses, so a broken array is still refused before any
-record is yielded, with the message of a whole-document ``json.load``. Elements are decoded by the standard
+record is yielded, with the message of a whole-document ``json.load`` (only a broken file is ever read whole). Elements are decoded by the standard
 library's own decoder (``json.JSONDecoder.raw_decode``), so every value is what ``json.load`` gives: ``NaN``,
 ``1e400``, lone ``\\ud800`` escapes and duplicate keys included (a C streaming parser such as ijson's yajl
 backend refuses the first two and turns lone surrogates into ``?``, which would hide records the loader must
@@ -99,7 +99,6 @@ def _load_document(path: Path, what: str) -> Any:
 _ARRAY_READ_CHARS = 1 << 20  # characters read per refill of the array buffer
 _SNIFF_CHARS = 1 << 16  # characters of the first line read to tell a JSON array from JSON Lines
 _SKIP_WHITESPACE = json.decoder.WHITESPACE.match  # JSON's whitespace, as the decoder itself skips it
-_EMPTY = object()
 
 
 class _ArrayEnd(ValueError):
@@ -176,21 +175,22 @@ def _iter_array(path: Path) -> Iterator[Any]:
             raise _ArrayEnd("data after the array's closing ']'")
 
 
-def _iter_array_checked(path: Path) -> Iterator[tuple[int, Any]]:
-    """``(index, element)`` of a top-level JSON array, streamed by :func:`_iter_array` after a first pass over
-    the whole file found it well formed.
-
-    Raises:
-        FormatError: the file is not one valid JSON array (the message of ``_load_document``); raised before any
-        element is yielded.
-    """
+def _is_array(path: Path) -> bool:
+    """Whether ``path`` holds exactly one well-formed JSON array (a full :func:`_iter_array` pass, values dropped)."""
     try:
         for _ in _iter_array(path):
             pass
     except _ArrayEnd:
-        # the whole-document parse gives the exact error (line, column) or, for what only it accepts, the data
-        yield from enumerate(_unwrap_document(_load_document(path, "starts with '['")))
-        return
+        return False
+    return True
+
+
+def _iter_array_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(index, element)`` of a JSON array that :func:`_is_array` accepted.
+
+    Raises:
+        FormatError: the file no longer reads as one array (it changed after the check).
+    """
     try:
         yield from enumerate(_iter_array(path))
     except _ArrayEnd as e:
@@ -264,19 +264,14 @@ def iter_raw_records(path: str | Path) -> Iterator[tuple[int, Any]]:
             if stripped.startswith("{") and not first_line.endswith("\n"):
                 first_line += fh.readline()  # the whole first record (JSON Lines reads it whole anyway)
         if stripped.startswith("["):
-            try:
-                array = _iter_array_checked(path)
-                first = next(array, _EMPTY)  # the check pass runs here, before anything is yielded
-            except FormatError:
-                # A pretty-printed array (a bare "[" line) or a one-line array is one broken document; any other
-                # file of several lines is JSON Lines whose first record is an array or broken: read line by line.
-                if stripped.strip() == "[" or not _more_lines(path):
-                    raise
-                array = None
-            if array is not None:
-                if first is not _EMPTY:
-                    yield first
-                    yield from array
+            if _is_array(path):  # the whole file is checked before its first record is yielded
+                yield from _iter_array_rows(path)
+                return
+            # A pretty-printed array (a bare "[" line) or a one-line array is one broken document: refused with
+            # json.load's own message (line, column). Any other file of several lines is JSON Lines whose first
+            # record is an array or broken: read line by line.
+            if stripped.strip() == "[" or not _more_lines(path):
+                yield from enumerate(_unwrap_document(_load_document(path, "starts with '['")))
                 return
         elif stripped.startswith("{") and isinstance(_parse_line(0, first_line), BadLine):
             # one pretty-printed JSON document (a JSON Lines file whose first line is broken falls through)
