@@ -4,11 +4,11 @@ BFCL), gzip-compressed variants of both and Parquet, with per-record faults repo
 A top-level JSON array is streamed: one element in memory at a time plus a read buffer of ~1 MiB
 (:func:`_iter_array`), however large the file (glaive-function-calling-v2 ships as one 113k-record array). It is
 read twice: a first pass checks that the whole document parses, so a broken array is still refused before any
-record is yielded, with the message of a whole-document ``json.load`` (only a broken file is ever read whole). Elements are decoded by the standard
-library's own decoder (``json.JSONDecoder.raw_decode``), so every value is what ``json.load`` gives: ``NaN``,
-``1e400``, lone ``\\ud800`` escapes and duplicate keys included (a C streaming parser such as ijson's yajl
-backend refuses the first two and turns lone surrogates into ``?``, which would hide records the loader must
-reject as ``invalid_unicode``). A ``{"data": [...]}`` wrapper document is still read whole.
+record is yielded, with the message of a whole-document ``json.load`` (only a broken file is ever read whole).
+Elements are decoded by the standard library's own decoder (``json.JSONDecoder.raw_decode``), so every value is
+what ``json.load`` gives: ``NaN``, ``1e400``, lone ``\\ud800`` escapes and duplicate keys included (a C streaming
+parser such as ijson's yajl backend refuses the first two and turns lone surrogates into ``?``, which would hide
+records the loader must reject as ``invalid_unicode``). A ``{"data": [...]}`` wrapper document is still read whole.
 
 One bad character never loses a file: text is decoded as UTF-8 with ``surrogateescape``, so a byte that is not
 UTF-8 becomes a lone surrogate inside the record's strings (the loader then rejects that record as
