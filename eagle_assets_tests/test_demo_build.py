@@ -24,11 +24,11 @@ from eagle_assets.demo.build import (
 from eagle_assets.demo.evaluate import default_catalog_caps, generate_replies
 from eagle_assets.demo.transcripts import generate_samples
 
+pytestmark = pytest.mark.slow(seconds=130)  # its share of a parallel session: scheduled early (conftest)
+
 # Seconds to build: a handful of optimizer steps on a few transcripts; the weights are garbage, the layout is real.
 # The shape is the default's but narrower; it is still wide enough for MKL and ATen to split work over threads,
 # which is what made two 2-thread builds differ before the workers were pinned to one thread (issue 12).
-pytestmark = pytest.mark.slow(seconds=130)  # its share of a parallel session: scheduled early (conftest)
-
 TINY = DemoRecipe(train_counts=(("tool", 2), ("code", 2), ("math", 2), ("reasoning", 2)), tokenizer_corpus_per_kind=4,
                   vocab_size=1024, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
                   batch_tokens=1024, warmup_steps=1, gate_prompts_per_kind=0)
