@@ -104,9 +104,9 @@ def _partition_definitions(defs, catalog_path: Path, catalog, prelaunch: bool = 
             # step, which reports the error.
             try:
                 model_dir = str(defs.resources["target"].resolve())
-            except (OSError, ValueError):  # a missing model directory: the generations step reports it
-                model_dir = None
-            if model_dir is not None:
+            except (OSError, ValueError):
+                pass  # a missing model directory: the generations step reports it
+            else:
                 threading.Thread(target=_quietly, args=(shared.base_urls, model_dir), daemon=True,
                                  name="prelaunch-server").start()
         yield build_definitions(catalog_path, storage_root=defs.resources["settings"].storage_root, sglang=shared)
