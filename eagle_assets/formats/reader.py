@@ -102,7 +102,8 @@ _SKIP_WHITESPACE = json.decoder.WHITESPACE.match  # JSON's whitespace, as the de
 
 
 class _ArrayEnd(ValueError):
-    """The streamed array is not one well-formed JSON array (the caller re-reads the file whole for the message)."""
+    """The streamed file is not one well-formed JSON array (``iter_raw_records`` then reads it as JSON Lines, or
+    refuses it with the message of a whole-document ``json.load``)."""
 
 
 def _iter_array(path: Path) -> Iterator[Any]:
