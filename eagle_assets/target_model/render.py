@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from eagle_assets.target_model.profile import FamilyProfile
+from eagle_assets.target_model.template_sandbox import tune_sandbox
 
 # Render failure reasons (stable strings; the tokenized_prompts asset counts them like rejects).
 TOOLS_IGNORED = "tools_ignored"
@@ -205,6 +206,7 @@ def render_prompt(
         user/tool/system content), ``double_bos``, ``prompt_too_long``.
     """
     t_hash = template_hash(tokenizer)
+    tune_sandbox(tokenizer)
     texts = _render_texts(tokenizer, messages, tools, enable_thinking)
     ids = list(tokenizer(texts[0], add_special_tokens=False)["input_ids"])
     return _finish(tokenizer, ids, texts, enable_thinking, max_prompt_tokens, profile, t_hash, {})
@@ -287,6 +289,7 @@ def render_texts_batch(tokenizer: Any, records: Sequence[tuple[list[dict[str, An
     """
     if not getattr(tokenizer, "chat_template", None):  # finish_rendered reports it for every record
         return [()] * len(records)
+    tune_sandbox(tokenizer)
     out: list[Any] = [None] * len(records)
     specials = special_token_strings(tokenizer)
     kwargs: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
