@@ -1,12 +1,24 @@
 """Shared fixtures: the embedded demo target (built once, cached under ./.eagle_assets) and the shared data dir."""
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+# The session starts ~100 Python processes (xdist workers, Dagster run workers and code servers, torchrun ranks,
+# embedded target servers), each importing torch, transformers and dagster. The README installs with
+# `pip --no-compile`, so those modules are byte-compiled on first import and the .pyc files reused after -- unless
+# the environment sets PYTHONDONTWRITEBYTECODE (container images often do): then every process compiles them from
+# source again, ~3x the import time (test_drafter_ddp.py: 154 CPU-s instead of 55). The test session, and every
+# process it starts (they inherit the environment; xdist starts its workers after this conftest is loaded), writes
+# them. The files land in __pycache__ folders of the venv and the checkout (git-ignored).
+if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+    del os.environ["PYTHONDONTWRITEBYTECODE"]
+    sys.dont_write_bytecode = False
 
 
 @pytest.fixture(scope="session")
