@@ -7,11 +7,16 @@ Shape (see catalogs/default.yaml)::
     partitions:
       <key>:  {description, sources: [{path, format}], prompt_policy, enable_thinking, sampling: {max_new_tokens,
                temperature, top_p, top_k}, limit, seed, max_prompt_tokens, thresholds: {...}, max_turns,
-               tool_result_match}
+               tool_result_match, chunks}
     training: {draft_vocab_size, ttt_steps, epochs, train_tokens, lr, schedule, warmup_steps, max_length,
                batch_tokens, seed, save_every_steps, holdout_fraction | holdout_rows, validation_rows,
                eval_every_tokens, patience, min_delta, aux_layer_ids, acceptance..., unseen_eval: {...}, mix: {...},
                features: local | served | {source, url, teacher, top_k, cache, ...}}
+
+Each entry under ``partitions`` is a *dataset*. A dataset is one Dagster partition, or, with ``chunks: N`` (N > 1),
+N partitions ``<dataset>.c00`` .. ``<dataset>.c{N-1}`` (:func:`chunk_keys`), each a run of its own over the rows a
+keyed hash of the sample id assigns to it (``raw_prompts_pass.chunk_of``); :meth:`Catalog.partition` resolves a
+partition key of either kind to its spec, so every asset looks a key up the same way.
 
 Relative source paths resolve against the catalog file's directory; ``${VAR}`` and ``${VAR:-default}`` in any
 string are expanded from the environment. Validation uses pydantic; every problem is reported as a
@@ -34,6 +39,12 @@ from eagle_assets.quality.segment import DROP_REASONS
 from eagle_assets.target_model.profile import OVERRIDE_KEYS as PROFILE_OVERRIDE_KEYS
 
 PARTITION_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*$")
+# A chunk's partition key: "<dataset>.c<index>", the index zero-padded (chunk_keys). Dataset keys
+# hold no dots (PARTITION_KEY_RE), so the suffix is unambiguous.
+CHUNK_KEY_RE = re.compile(r"^(?P<dataset>[A-Za-z0-9][A-Za-z0-9_\-]*)\.c(?P<index>[0-9]+)$")
+# Every chunk is a Dagster partition and a run; past a thousand the UI's partition bar and a backfill's bookkeeping
+# grow for no gain (a chunk of a 5M-row dataset at 1,000 chunks is already 5k rows).
+MAX_CHUNKS = 1000
 CATALOG_ENV = "EAGLE_ASSETS_CATALOG"
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -213,6 +224,8 @@ class PartitionSpec(_Strict):
     # names the same function with the same arguments ("arguments") or the same function only ("name")
     max_turns: int = Field(8, gt=0)
     tool_result_match: Literal["arguments", "name"] = "arguments"
+    # N > 1: the dataset runs as N partitions <key>.c00 .. (a keyed hash of the sample id picks each row's chunk)
+    chunks: int = Field(1, ge=1, le=MAX_CHUNKS)
     sampling: SamplingSpec
     limit: int | None = Field(None, gt=0)
     seed: int = 0
@@ -222,11 +235,24 @@ class PartitionSpec(_Strict):
 
     _base_dir: Path = PrivateAttr(default=Path("."))
     _key: str = PrivateAttr(default="")
+    _dataset: str = PrivateAttr(default="")
+    _chunk: int | None = PrivateAttr(default=None)
     _catalog_file: Path | None = PrivateAttr(default=None)
 
     @property
     def key(self) -> str:
+        """The Dagster partition key: the dataset key, or a chunk's ``<dataset>.cNN``."""
         return self._key
+
+    @property
+    def dataset(self) -> str:
+        """The catalog key of the dataset this partition belongs to (its sample ids are keyed by it)."""
+        return self._dataset or self._key
+
+    @property
+    def chunk(self) -> int | None:
+        """The chunk index of this partition (0 .. ``chunks`` - 1), None for a dataset that is not chunked."""
+        return self._chunk
 
     @model_validator(mode="after")
     def _both_needs_all_turns(self) -> "PartitionSpec":
@@ -472,15 +498,74 @@ class Catalog(_Strict):
         return self._path
 
     @property
-    def partition_keys(self) -> list[str]:
-        """Partition keys in file order."""
+    def dataset_keys(self) -> list[str]:
+        """Dataset keys (the entries under ``partitions``) in file order."""
         return list(self.partitions)
 
+    @property
+    def partition_keys(self) -> list[str]:
+        """Dagster partition keys in file order: a dataset's key, or its chunk keys when it has ``chunks`` > 1."""
+        return [k for d in self.partitions for k in self.dataset_partition_keys(d)]
+
+    @property
+    def chunked_datasets(self) -> list[str]:
+        """The datasets split into more than one chunk, in file order."""
+        return [d for d, spec in self.partitions.items() if spec.chunks > 1]
+
+    def dataset_partition_keys(self, dataset: str) -> list[str]:
+        """The partition keys of one dataset: ``[dataset]`` or its chunk keys; raises CatalogError for an unknown
+        dataset."""
+        if dataset not in self.partitions:
+            raise CatalogError(self._path or "<catalog>", f"partitions.{dataset}", "no such dataset",
+                               f"known datasets: {self.dataset_keys}")
+        chunks = self.partitions[dataset].chunks
+        return chunk_keys(dataset, chunks) if chunks > 1 else [dataset]
+
+    def resolve(self, key: str) -> tuple[str, int | None, int]:
+        """``(dataset key, chunk index or None, chunk count)`` of a partition key (``<dataset>`` or
+        ``<dataset>.cNN``). Raises CatalogError naming the known partition keys for an unknown dataset, a chunk
+        index out of range or not padded as :func:`chunk_keys` writes it, the bare key of a chunked dataset (its
+        partitions are its chunks) and a chunk key of a dataset that is not chunked."""
+        known = self.partition_keys
+        shown = known if len(known) <= 20 else [*known[:20], f"... ({len(known)} in all)"]
+        where = self._path or "<catalog>"
+        match = CHUNK_KEY_RE.match(key) if isinstance(key, str) else None
+        dataset = match.group("dataset") if match else key
+        if dataset not in self.partitions:
+            raise CatalogError(where, f"partitions.{dataset}", "no such partition", f"known partitions: {shown}")
+        chunks = self.partitions[dataset].chunks
+        if match is None:
+            if chunks > 1:
+                raise CatalogError(where, f"partitions.{dataset}", f"dataset {dataset} is split into {chunks} chunks: "
+                                   "a run takes one chunk",
+                                   f"use its chunk keys {chunk_keys(dataset, chunks)[0]} .. "
+                                   f"{chunk_keys(dataset, chunks)[-1]}")
+            return dataset, None, 1
+        if key not in chunk_keys(dataset, chunks) or chunks == 1:
+            raise CatalogError(where, f"partitions.{dataset}", f"no chunk {key!r}: {dataset} has "
+                               + (f"{chunks} chunks" if chunks > 1 else "no chunks (chunks: 1)"),
+                               f"known partitions: {shown}")
+        return dataset, int(match.group("index")), chunks
+
     def partition(self, key: str) -> PartitionSpec:
-        """The spec of one partition; raises CatalogError listing the known keys."""
-        if key not in self.partitions:
-            raise CatalogError(self._path or "<catalog>", f"partitions.{key}", "no such partition", f"known partitions: {self.partition_keys}")
-        return self.partitions[key]
+        """The spec of one partition key (a dataset's or a chunk's, see :meth:`resolve`): for a chunk, a copy of
+        its dataset's spec whose ``key`` is the chunk key and ``chunk`` its index. Raises CatalogError listing the
+        known keys."""
+        dataset, chunk, _ = self.resolve(key)
+        spec = self.partitions[dataset]
+        if chunk is None:
+            return spec
+        copy = spec.model_copy()
+        copy._key, copy._dataset, copy._chunk = key, dataset, chunk
+        return copy
+
+
+def chunk_keys(dataset: str, chunks: int) -> list[str]:
+    """The partition keys of a dataset split into ``chunks`` chunks: ``<dataset>.c<i>``, ``i`` zero-padded to two
+    digits or the width of ``chunks - 1`` if wider (8 chunks: ``.c00`` .. ``.c07``; 200: ``.c000`` .. ``.c199``), so
+    they sort in chunk order."""
+    width = max(2, len(str(chunks - 1)))
+    return [f"{dataset}.c{i:0{width}d}" for i in range(chunks)]
 
 
 def _expand_env(value: Any, where: str, file: Path) -> Any:
@@ -584,6 +669,7 @@ def load_catalog(path: str | Path) -> Catalog:
     for key, spec in catalog.partitions.items():
         spec._base_dir = file.parent
         spec._key = key
+        spec._dataset = key
         spec._catalog_file = file
     return catalog
 

@@ -1,10 +1,12 @@
 """``eagle-assets`` command line: build the embedded target, run the whole pipeline, print the length report.
 
-    eagle-assets run [--catalog PATH] [--partitions A,B] [--skip-training]
+    eagle-assets run [--catalog PATH] [--partitions A,B.c03] [--skip-training]
     eagle-assets build-target [--force]
     eagle-assets report [--catalog PATH]
 
-``run`` executes the Dagster jobs in-process against the persistent instance in ``$DAGSTER_HOME`` (set to the repo
+``--partitions`` takes dataset keys and chunk keys: a chunked dataset's key runs every one of its chunks, one run
+each, then ``dataset_job`` (its checks over all its chunks); a chunk key runs that chunk (``dataset_job`` follows
+once all of the dataset's chunks have QC rows). ``run`` executes the Dagster jobs in-process against the persistent instance in ``$DAGSTER_HOME`` (set to the repo
 root, where ``dagster.yaml`` lives, when unset), so every run shows in ``dagster dev`` afterwards.
 """
 
@@ -127,24 +129,51 @@ def _first_run(layout, keys: list[str]) -> bool:
     return any(not any((layout.base / "generations" / safe_name(k)).glob("*.parquet")) for k in keys)
 
 
+def selected_partition_keys(catalog, selection: str | None) -> list[str]:
+    """The partition keys ``--partitions`` names, in the order given (duplicates once): a chunked dataset's key
+    stands for all its chunks; None or empty = every partition of the catalog. Raises ``CatalogError`` for a key
+    that is neither a dataset nor a chunk of one (``Catalog.resolve`` says which keys exist)."""
+    if not selection:
+        return list(catalog.partition_keys)
+    keys: list[str] = []
+    for item in (k.strip() for k in selection.split(",")):
+        if not item:
+            continue
+        expanded = catalog.dataset_partition_keys(item) if item in catalog.partitions else [item]
+        for key in expanded:
+            catalog.resolve(key)
+            if key not in keys:
+                keys.append(key)
+    return keys
+
+
+def datasets_complete(catalog, layout, keys: list[str]) -> list[str]:
+    """The chunked datasets with a chunk among ``keys`` and QC rows in every chunk: those ``dataset_job`` can
+    check now."""
+    touched = {catalog.resolve(k)[0] for k in keys}
+    return [d for d in catalog.chunked_datasets if d in touched
+            and all((layout.base / "qc_shards" / k / "rows.parquet").exists() for k in catalog.dataset_partition_keys(d))]
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     home = _ensure_dagster_home()
     if args.catalog:
         os.environ["EAGLE_ASSETS_CATALOG"] = str(Path(args.catalog).resolve())
     import dagster as dg
 
-    from eagle_assets.definitions import PARTITION_JOB, TRAINING_JOB, build_definitions
+    from eagle_assets.definitions import DATASET_JOB, PARTITION_JOB, TRAINING_JOB, build_definitions
     from eagle_assets.storage import Layout, default_storage_root
-    from eagle_assets.catalog import default_catalog_path
+    from eagle_assets.catalog import CatalogError, default_catalog_path
 
     catalog_path = Path(args.catalog or default_catalog_path()).resolve()
     defs = build_definitions(catalog_path)
     settings = defs.resources["settings"]
     catalog = settings.catalog()
-    keys = args.partitions.split(",") if args.partitions else list(catalog.partition_keys)
-    unknown = [k for k in keys if k not in catalog.partitions]
-    if unknown:
-        print(f"unknown partitions {unknown}; the catalog {catalog_path} has {list(catalog.partition_keys)}")
+    try:
+        keys = selected_partition_keys(catalog, args.partitions)
+    except CatalogError as exc:
+        print(f"{exc}\n(--partitions takes dataset keys {catalog.dataset_keys} or chunk keys such as "
+              f"<dataset>.c00; the catalog {catalog_path} has {len(catalog.partition_keys)} partitions)")
         return 2
     if catalog.target.model == "demo":
         from eagle_assets.demo.build import DemoTargetRejected, build_demo_target
@@ -172,6 +201,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 print(line, flush=True)
             if not result.success:
                 failed.append(key)
+    for dataset in datasets_complete(catalog, layout, keys):
+        t0 = time.monotonic()
+        result = defs.resolve_job_def(DATASET_JOB).execute_in_process(
+            partition_key=dataset, instance=instance, raise_on_error=False)
+        status = "ok" if result.success else "FAILED (see the check results / run logs)"
+        print(f"dataset {dataset} ({catalog.partitions[dataset].chunks} chunks): {status} in "
+              f"{time.monotonic() - t0:.1f} s (run {result.run_id})", flush=True)
+        for line in check_summary_lines(result):
+            print(line, flush=True)
+        if not result.success:
+            failed.append(dataset)
     report = layout.base / "length_report" / "report.md"
     if report.exists():
         print(f"\nlength report: {report}\n{report.read_text()}")
@@ -201,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_run = sub.add_parser("run", help="every partition to QC shards, then the draft vocab and the drafter")
     p_run.add_argument("--catalog", help="catalog YAML (default $EAGLE_ASSETS_CATALOG or catalogs/default.yaml)")
-    p_run.add_argument("--partitions", help="comma-separated partition keys (default: all)")
+    p_run.add_argument("--partitions", help="comma-separated dataset keys (a chunked one: all its chunks) or chunk "
+                       "keys <dataset>.cNN (default: all)")
     p_run.add_argument("--skip-training", action="store_true")
     p_run.set_defaults(fn=_cmd_run)
     p_build = sub.add_parser("build-target", help="build (or reuse) the embedded default target model")

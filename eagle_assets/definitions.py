@@ -1,6 +1,16 @@
 """Dagster ``Definitions`` of eagle-assets: the asset graph, its checks, jobs and resources for one catalog.
 
-The catalog (``$EAGLE_ASSETS_CATALOG``, default ``catalogs/default.yaml``) fixes the partitions: one per dataset.
+The catalog (``$EAGLE_ASSETS_CATALOG``, default ``catalogs/default.yaml``) fixes the partitions: one per dataset, or
+one per chunk of a dataset with ``chunks: N`` (``<dataset>.c00`` ..), all in one ``StaticPartitionsDefinition``.
+
+Why chunks are partition keys of the one dimension, not a second dimension (``MultiPartitionsDefinition``): an asset
+job holds one partitions definition, so ``partition_job`` could not take both the dataset-partitioned assets and
+multi-partitioned ones (Dagster 1.13.27: ``DagsterInvalidDefinitionError: Failed to resolve asset job``); and a
+multi-partition is the product of its dimensions, so every dataset would get the same chunk list, the small ones
+as many empty chunks as the largest needs. With chunk keys, a dataset of ``chunks: 1`` keeps its key (existing
+partitions, data versions and runs unchanged), each chunk is a run of ``partition_job`` like any partition (queued,
+retried, resumed and sent to Kubernetes as one), and the dataset-level QC of chunked datasets is the asset
+``dataset_qc`` of its own partitions, in ``dataset_job`` (``assets.qc``).
 Every asset depends, besides its upstream assets, on the observable source assets of the inputs it reads
 (``assets.inputs``), carries a code version (``assets.versions``) and an automation condition
 (``assets.automation``). ``$EAGLE_ASSETS_EXECUTOR`` picks the executor of every run (``in_process``, or ``k8s``:
@@ -25,7 +35,7 @@ from eagle_assets.assets.inputs import (
     with_inputs_and_versions,
 )
 from eagle_assets.assets.prompts import build_prompt_assets
-from eagle_assets.assets.qc import build_qc_assets
+from eagle_assets.assets.qc import build_dataset_assets, build_qc_assets
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.schedules import build_schedules
 from eagle_assets.assets.sensors import build_sensors
@@ -37,6 +47,7 @@ from eagle_assets.storage import default_storage_root
 
 PARTITION_JOB = "partition_job"
 TRAINING_JOB = "training_job"
+DATASET_JOB = "dataset_job"  # only in Definitions of a catalog with a chunked dataset
 PARTITION_ASSETS = ["raw_prompts", "tokenized_prompts", "generations", "qc_shards", "length_report"]
 TRAINING_ASSETS = ["draft_vocab", "training_mix", "drafter_checkpoint"]
 # Each run observes the inputs it reads first, so its materializations record current input data versions.
@@ -67,6 +78,7 @@ def build_definitions(
         *build_prompt_assets(partitions_def),
         *build_generation_assets(partitions_def),
         *build_qc_assets(partitions_def),
+        *build_dataset_assets(catalog, partitions_def),
         *build_training_assets(),
         *build_export_assets(),
     ]
@@ -94,6 +106,15 @@ def build_definitions(
         executor_def=executor_def,
         description="Draft vocab, training mix and EAGLE-3 drafter checkpoint from every partition whose QC passed.",
     )
+    jobs = [partition_job, training_job]
+    if catalog.chunked_datasets:
+        jobs.append(dg.define_asset_job(
+            DATASET_JOB,
+            selection=dg.AssetSelection.assets("dataset_qc"),
+            executor_def=executor_def,
+            description="A chunked dataset's QC checks over all its chunks (run once every chunk's partition_job "
+                        "is done; the automation sensor does it then).",
+        ))
     server = catalog.server
     if sglang is None:
         sglang = SGLangServerResource(
@@ -103,7 +124,7 @@ def build_definitions(
     return dg.Definitions(
         assets=asset_defs,
         asset_checks=checks,
-        jobs=[partition_job, training_job],
+        jobs=jobs,
         executor=executor_def,
         sensors=build_sensors(list(catalog.partition_keys)),
         schedules=build_schedules(),

@@ -16,7 +16,10 @@ merges over the step's ``dagster-k8s/config`` op tags: ``K8sStepHandler._get_con
   one (``server.api_key_env``), from the Secret :data:`API_KEY_SECRET` (key = the variable's name); no other
   step sees it.
 - ``tokenized_prompts``, ``qc_shards``: CPU and memory (tokenizer, vocab-sized scans).
-- ``raw_prompts``, ``length_report``, ``draft_vocab``, ``training_mix``: a small CPU request.
+- ``raw_prompts``, ``length_report``, ``dataset_qc``, ``draft_vocab``, ``training_mix``: a small CPU request.
+
+A chunk of a dataset (catalog ``chunks``) is a partition like any other: each chunk's run gets the same per-step
+pods, so the chunks of one dataset run as parallel runs, each with its own pods, as the run queue allows.
 - the observations of ``assets.inputs``: the run launcher's default resources.
 
 Resources are computed from the catalog because the GPU need of ``generations`` depends on it; the values are
@@ -43,7 +46,7 @@ SMALL_CPU = {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": 
 TOKENIZER_CPU = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "16Gi"}}
 CLIENT_CPU = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "8Gi"}}
 CPU_PER_GPU, MEMORY_GI_PER_GPU = 8, 64
-SMALL_STEPS = ("raw_prompts", "length_report", "draft_vocab", "training_mix")
+SMALL_STEPS = ("raw_prompts", "length_report", "dataset_qc", "draft_vocab", "training_mix")
 TOKENIZER_STEPS = ("tokenized_prompts", "qc_shards")
 TRAINING_GPUS = 1  # the inline trainer: one process
 

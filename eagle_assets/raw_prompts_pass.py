@@ -12,6 +12,14 @@ the tests run the same code. Memory does not grow with the rows' size:
 - the output is written in the order it always had, by ``(source_file, source_row)``, by streaming the spills in
   file-name order through a row-group writer of at most ``ROW_GROUP_ROWS`` rows.
 
+A chunk of a dataset (``chunk=(index, chunks)``; catalog ``chunks: N``) runs the same pass over every source record:
+duplicates and the ``limit`` sample are decided over the whole dataset exactly as unchunked, then only the sampled
+rows :func:`chunk_of` assigns to ``index`` are written. So the chunks' rows are disjoint and their union is the
+unchunked dataset's rows, ids included (sample ids are keyed by the dataset, not the chunk). Rejects are about the
+dataset's records, not a chunk's rows: chunk 0 writes all of them (the unchunked ``rejects.parquet``), the other
+chunks an empty file, so each reject is counted once. Every chunk reads the whole sources: a chunk's cost is the
+read and parse of the dataset plus the work on its own rows.
+
 A partition of at most ``ROW_GROUP_ROWS`` rows is written as one row group, byte for byte the file the in-memory
 path wrote (``pq.write_table`` of the whole table), so data versions of existing partitions do not change.
 The one case read back into memory is a source file listed twice in one partition (both listings kept rows): its
@@ -46,6 +54,13 @@ def sample_order(seed: int, sid: str) -> str:
     """The keyed hash that orders a partition's rows for its ``limit`` sample (hex sha256 of ``"{seed}:{sid}"``):
     deterministic, seed-dependent, and stable when records are added."""
     return hashlib.sha256(f"{seed}:{sid}".encode()).hexdigest()
+
+
+def chunk_of(sid: str, chunks: int) -> int:
+    """The chunk (0 .. ``chunks`` - 1) of a sample id: the first 8 bytes of sha256 of ``"chunk:{sid}"`` as a
+    big-endian integer, modulo ``chunks``. Independent of the ``limit`` sample's seed (a chunk is a slice of the
+    same sample, whatever the seed) and of every other record, so a row stays in its chunk when records are added."""
+    return int.from_bytes(hashlib.sha256(f"chunk:{sid}".encode()).digest()[:8], "big") % chunks
 
 
 def _order_keys(seed: int, sids: Iterable[str]) -> np.ndarray:
@@ -186,10 +201,15 @@ def write_raw_prompts(
     *,
     seed: int = 0,
     limit: int | None = None,
+    chunk: tuple[int, int] | None = None,
 ) -> RawPromptsSummary:
     """Read every record of ``sources`` (``[(path, format)]``) once and write ``out_dir/prompts.parquet``
     (``RAW_SCHEMA``: the ``limit`` rows of smallest :func:`sample_order`, all when ``limit`` is None, ordered by
     ``(source_file, source_row)``) and ``out_dir/rejects.parquet`` (``REJECT_SCHEMA``, in record order).
+
+    ``partition_key`` keys the sample ids: the dataset's key, for a chunk too. ``chunk``: ``(index, chunks)`` to
+    write only the sampled rows whose :func:`chunk_of` is ``index`` (rejects: all in chunk 0, none in the others;
+    ``available`` stays the dataset's count). None = the whole dataset.
 
     Raises ``FormatError`` for a source file unusable as a whole and ``OSError`` for unwritable output; nothing is
     replaced then (both files are renamed into place only after the pass).
@@ -203,6 +223,9 @@ def write_raw_prompts(
     sources = list(sources)
     spills: list[_Spill] = []
     sample = _Smallest(limit) if limit is not None else None
+    if chunk is not None and not 0 <= chunk[0] < chunk[1]:
+        raise ValueError(f"chunk {chunk[0]} of {chunk[1]}: the index must be in 0 .. {chunk[1] - 1}")
+    keep_rejects = chunk is None or chunk[0] == 0
     rejects = _RowGroupWriter(out_dir / "rejects.parquet", REJECT_SCHEMA)
     prompts: _RowGroupWriter | None = None
     try:
@@ -210,11 +233,19 @@ def write_raw_prompts(
         bad: list[dict[str, Any]] = []
 
         def spill() -> None:
+            start = spills[-1].start + spills[-1].rows
+            if chunk is None:
+                mine = pending
+                positions = np.arange(start, start + len(pending), dtype=np.int64)
+            else:  # the sample is drawn from every row; rows of other chunks take part with position -1
+                inside = np.array([chunk_of(r["sample_id"], chunk[1]) == chunk[0] for r in pending], dtype=bool)
+                mine = [r for r, k in zip(pending, inside) if k]
+                positions = np.full(len(pending), -1, dtype=np.int64)
+                positions[inside] = np.arange(start, start + len(mine), dtype=np.int64)
             if sample is not None:
-                start = spills[-1].start + spills[-1].rows
-                sample.add(_order_keys(seed, (r["sample_id"] for r in pending)),
-                           np.arange(start, start + len(pending), dtype=np.int64))
-            spills[-1].write(pending)
+                sample.add(_order_keys(seed, (r["sample_id"] for r in pending)), positions)
+            if mine:
+                spills[-1].write(mine)
             pending.clear()
 
         for kind, index, row in iter_prompt_rows(partition_key, sources, policy):
@@ -228,7 +259,7 @@ def write_raw_prompts(
                 summary.available += 1
                 if len(pending) >= SPILL_ROWS:
                     spill()
-            else:
+            elif keep_rejects:
                 bad.append(row)
                 summary.rejected += 1
                 summary.reasons[row["reason"]] += 1
@@ -241,6 +272,8 @@ def write_raw_prompts(
         for s in spills:
             s.close()
         selected = sample.positions() if sample is not None else None
+        if selected is not None:
+            selected = selected[selected >= 0]  # sampled rows of other chunks
         prompts = _RowGroupWriter(out_dir / "prompts.parquet", RAW_SCHEMA)
         shown = [_shown(p) for p, _ in sources]
         order = sorted(range(len(spills)), key=lambda k: shown[k])  # stable: listing order among equal names

@@ -28,7 +28,8 @@ from typing import Any, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*$")
+# a catalog, stage or dataset name, or a chunk's partition key (``catalog.CHUNK_KEY_RE``: "<dataset>.c<digits>")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*(\.c[0-9]+)?$")
 _SHARD = re.compile(r"^shard-(\d{5})\.parquet$")
 
 
@@ -41,7 +42,8 @@ def safe_name(name: str, what: str = "partition key") -> str:
     """Return ``name`` if it is a safe single path component, else raise ``ValueError``.
 
     Partition keys and catalog names become directory names; a key with ``/`` or ``..`` could write outside the
-    storage root, so they are refused here rather than trusted.
+    storage root, so they are refused here rather than trusted. The one dot allowed is a chunk key's ``.c<digits>``
+    suffix (``B5.c03``), which names a directory of its own beside the dataset's other chunks.
     """
     if not isinstance(name, str) or not _SAFE_NAME.match(name):
         raise ValueError(

@@ -71,7 +71,10 @@ def asset_conditions() -> dict[str, dg.AutomationCondition]:
     after_qc = eager_on_data_versions(wait_for=dg.AssetSelection.assets("qc_shards"))
     partitioned = ("raw_prompts", "tokenized_prompts", "generations", "qc_shards")
     after = ("draft_vocab", "training_mix", "drafter_checkpoint", "speculators_export", "specforge_export")
-    return {**{name: eager for name in partitioned}, **{name: after_qc for name in after}, "length_report": report}
+    # dataset_qc (chunked datasets): requested when a chunk's QC data changed, once no chunk of the dataset is
+    # missing or in a run (its qc_shards dependency maps every chunk to the dataset)
+    return {**{name: eager for name in partitioned}, **{name: after_qc for name in after}, "length_report": report,
+            "dataset_qc": eager}
 
 
 def build_automation_sensor() -> dg.AutomationConditionSensorDefinition:

@@ -49,7 +49,7 @@ def conversation_generations(context: dg.AssetExecutionContext, settings, target
 
     key = context.partition_key
     catalog = settings.catalog()
-    spec = catalog.partitions[key]
+    spec = catalog.partition(key)
     layout = settings.layout()
     convs, tools = _conversations(layout, key)
     model_dir = target.resolve()

@@ -85,7 +85,7 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
 
         key = context.partition_key
         catalog = settings.catalog()
-        spec = catalog.partitions[key]
+        spec = catalog.partition(key)
         layout = settings.layout()
         out = layout.stage_dir("generations", key)
         # Shards of other sampling / render settings, tokenizer or weights are generated again, not resumed from.

@@ -40,19 +40,25 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
     )
     def raw_prompts(context: dg.AssetExecutionContext, settings: PipelineSettings):
         """Normalized conversations of one dataset partition; every malformed record goes to rejects.parquet with a
-        reason (one bad record, whatever it holds, costs only itself); an empty source gives zero rows."""
+        reason (one bad record, whatever it holds, costs only itself); an empty source gives zero rows. A chunk of a
+        dataset keeps the dataset's rows that fall in it (``raw_prompts_pass``: its rejects are all in chunk 0)."""
         key = context.partition_key
-        spec = settings.catalog().partitions[key]
+        spec = settings.catalog().partition(key)
         out = settings.layout().stage_dir("raw_prompts", key)
         sources = spec.resolved_sources()
         for path, fmt in sources:
             context.log.info(f"reading {path} as {fmt}")
         # one streaming pass (raw_prompts_pass): compact duplicate ids, a bounded sample selection, row groups
         # written as they come, so memory does not grow with the partition
-        result = write_raw_prompts(key, sources, spec.prompt_policy, out, seed=spec.seed, limit=spec.limit)
+        chunk = (spec.chunk, spec.chunks) if spec.chunk is not None else None
+        result = write_raw_prompts(spec.dataset, sources, spec.prompt_policy, out, seed=spec.seed, limit=spec.limit,
+                                   chunk=chunk)
         rows, available, rejected, reasons = result.rows, result.available, result.rejected, result.reasons
         if rejected:
             context.log.warning(f"{rejected} records rejected ({dict(reasons.most_common())}); see {out / 'rejects.parquet'}")
+        if chunk is not None:
+            context.log.info(f"chunk {spec.chunk} of {spec.chunks} of dataset {spec.dataset}: {rows} of its rows"
+                             + ("" if spec.chunk == 0 else "; its rejects are recorded by chunk 0"))
         if rows:
             availability = f"{rows} prompts ({available} available, {rejected} records rejected)"
         elif rejected:
@@ -90,7 +96,7 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
 
         key = context.partition_key
         catalog = settings.catalog()
-        spec = catalog.partitions[key]
+        spec = catalog.partition(key)
         layout = settings.layout()
         tokenizer = load_tokenizer(target.resolve())
         profile = detect_profile(tokenizer, catalog.target.profile or None)

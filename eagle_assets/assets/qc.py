@@ -1,4 +1,15 @@
-"""Asset ``qc_shards`` with its blocking checks ``token_structure`` and ``response_length``; asset ``length_report``."""
+"""Asset ``qc_shards`` with its blocking checks ``token_structure`` and ``response_length``; asset ``length_report``;
+for datasets split into chunks, asset ``dataset_qc`` with the same checks over all of a dataset's chunks.
+
+Why ``dataset_qc`` is an asset of its own partitions (one per chunked dataset) fed by ``qc_shards`` through a
+``StaticPartitionMapping`` (chunk key -> dataset key): a Dagster asset job has one partitions definition, so the
+dataset-level step cannot run in the chunk's ``partition_job`` run (Dagster 1.13 refuses the job: "Failed to resolve
+asset job"); and a check of the unpartitioned ``length_report`` would be one result for every dataset at once. As its
+own partition, each dataset gets its own check results in the UI, its ``eager`` automation condition requests it
+once every chunk is materialized and none is in a run (``~any_deps_missing``, ``~any_deps_in_progress``), and
+``dataset_job`` (or ``eagle-assets run``) runs it by hand. Datasets that are not chunked have no ``dataset_qc``
+partition: their one ``qc_shards`` partition's checks already are the dataset's.
+"""
 
 
 from collections import Counter
@@ -10,6 +21,7 @@ import pyarrow.parquet as pq
 
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.versions import directory_content_version
+from eagle_assets.quality.dataset_checks import dataset_checks
 from eagle_assets.quality.lengths import format_table, length_report as compute_length_report
 from eagle_assets.quality.qc_pass import QC_SCHEMA, QC_SKIP_REASONS, ROWS_SCHEMA, qc_partition  # noqa: F401
 from eagle_assets.quality.segment import DROP_REASONS, FLAGS
@@ -17,6 +29,26 @@ from eagle_assets.quality.thresholds import Outcome, evaluate_token_structure, r
 from eagle_assets.storage import shard_paths, write_json_atomic, write_parquet_atomic
 
 QC_STATUS_FILE = "qc_status.json"
+ROWS_FILE = "rows.parquet"
+
+
+def dataset_rows_files(layout, catalog, dataset: str) -> list[Path]:
+    """``rows.parquet`` of every partition of ``dataset`` (its chunks in order, or the dataset's one partition)."""
+    return [Path(layout.base) / "qc_shards" / k / ROWS_FILE for k in catalog.dataset_partition_keys(dataset)]
+
+
+def dataset_shard_paths(settings: PipelineSettings, dataset: str) -> list[Path]:
+    """The training shards of ``dataset``: every ``shard-NNNNN.parquet`` of each of its partitions, chunk by chunk.
+    Raises ``FileNotFoundError`` naming the first partition without shards."""
+    layout = settings.layout()
+    paths = []
+    for key in settings.catalog().dataset_partition_keys(dataset):
+        found = shard_paths(layout.base / "qc_shards" / key)
+        if not found:
+            raise FileNotFoundError(f"no QC shards in {layout.base / 'qc_shards' / key}: materialize qc_shards for "
+                                    f"partition {key} first")
+        paths += found
+    return paths
 
 
 def blank_token_ids(tokenizer) -> frozenset[int]:
@@ -77,7 +109,7 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
 
         key = context.partition_key
         catalog = settings.catalog()
-        spec = catalog.partitions[key]
+        spec = catalog.partition(key)
         layout = settings.layout()
         thresholds = spec.thresholds.model_dump() if hasattr(spec.thresholds, "model_dump") else dict(spec.thresholds)
         model_dir = target.resolve()
@@ -97,8 +129,10 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
             prompts = turn_prompts(layout.stage_dir("generations", key))
         max_new = spec.sampling.max_new_tokens
         out = layout.stage_dir("qc_shards", key)
+        # the rows' partition column names the dataset: the length report and the training mix group by it, so a
+        # chunked dataset's rows read as the dataset's
         result = qc_partition(
-            shard_paths(layout.stage_dir("generations", key)), prompts, out, profile, partition=key,
+            shard_paths(layout.stage_dir("generations", key)), prompts, out, profile, partition=spec.dataset,
             blank_ids=blank, vocab_size=vocab_size, control_ids=control,
             tool_call_in_reasoning=spec.tool_call_in_reasoning, short_tokens=thresholds.get("short_tokens", 300),
             max_new_tokens=max_new,
@@ -112,7 +146,8 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
         write_json_atomic(
             {"partition": key, "token_structure": structure.level, "response_length": length.level,
              "passed": structure.passed and length.passed, "kept": result.kept, "rows": result.rows,
-             "shards": len(result.shards)},
+             "shards": len(result.shards), "dataset": spec.dataset,
+             **({"chunk": [spec.chunk, spec.chunks]} if spec.chunk is not None else {})},
             out / QC_STATUS_FILE,
         )
         from eagle_assets.quality.plots import length_histogram_png, png_markdown  # matplotlib: ~0.7 s to import
@@ -163,10 +198,12 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
 
     @dg.asset(group_name="quality", deps=[qc_shards], kinds={"duckdb"})
     def length_report(context: dg.AssetExecutionContext, settings: PipelineSettings) -> dg.MaterializeResult:
-        """DuckDB length table of every partition (total, reasoning, answer tokens) with PNG histograms."""
+        """DuckDB length table of every dataset (total, reasoning, answer tokens) with PNG histograms; a chunked
+        dataset's line is over the rows of all its chunks materialized so far (the rows' partition column names the
+        dataset)."""
         catalog = settings.catalog()
         layout = settings.layout()
-        files = [layout.stage_dir("qc_shards", k) / "rows.parquet" for k in catalog.partition_keys]
+        files = [layout.stage_dir("qc_shards", k) / ROWS_FILE for k in catalog.partition_keys]
         present = [f for f in files if f.exists()]
         short = min((p.thresholds.short_tokens for p in catalog.partitions.values()), default=300)
         rows = compute_length_report(present, short_tokens=short)
@@ -178,7 +215,7 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
         for f in present:
             t = pq.read_table(f, columns=["partition", "completion_tokens"])
             if t.num_rows:
-                series[t.column("partition")[0].as_py()] = t.column("completion_tokens").to_pylist()
+                series.setdefault(t.column("partition")[0].as_py(), []).extend(t.column("completion_tokens").to_pylist())
         from eagle_assets.quality.plots import length_histogram_png, png_markdown
 
         png = length_histogram_png(series, "completion tokens by partition", short_tokens=short)
@@ -187,10 +224,12 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
         missing = [k for k, f in zip(catalog.partition_keys, files) if not f.exists()]
         if missing:
             context.log.info(f"partitions without QC rows yet: {missing}")
+        incomplete = sorted({catalog.resolve(k)[0] for k in missing} & set(catalog.chunked_datasets) & set(series))
         return dg.MaterializeResult(
             metadata={
                 "partitions": len(series),
                 "missing_partitions": dg.MetadataValue.json(missing),
+                "incomplete_datasets": dg.MetadataValue.json(incomplete),
                 "report": dg.MetadataValue.md(table_md),
                 "histogram": dg.MetadataValue.md(png_markdown(png, "lengths by partition")),
                 "path": dg.MetadataValue.path(str(out / "report.md")),
@@ -217,8 +256,9 @@ def _turn_length_report(catalog, layout, out: Path, short: int) -> dict:
     from eagle_assets.conversation.report import format_turn_table, turn_length_report
     from eagle_assets.conversation.rollout import TURNS_FILE
 
-    pairs = [(layout.stage_dir("qc_shards", k) / "rows.parquet", layout.stage_dir("generations", k) / TURNS_FILE)
-             for k, p in catalog.partitions.items() if p.prompt_policy == "all_turns"]
+    pairs = [(layout.stage_dir("qc_shards", k) / ROWS_FILE, layout.stage_dir("generations", k) / TURNS_FILE)
+             for d, p in catalog.partitions.items() if p.prompt_policy == "all_turns"
+             for k in catalog.dataset_partition_keys(d)]
     rows = turn_length_report(pairs, short_tokens=short)
     if not rows:
         return {}
@@ -228,20 +268,128 @@ def _turn_length_report(catalog, layout, out: Path, short: int) -> dict:
 
 
 def passing_partitions(settings: PipelineSettings) -> tuple[list[str], dict[str, str]]:
-    """Partitions whose latest QC passed both blocking checks, and why each other partition is excluded."""
+    """Datasets whose latest QC passed both blocking checks, and why each other dataset is excluded.
+
+    A dataset that is not chunked passes by its one partition's ``qc_status.json``. A chunked dataset needs QC
+    shards of every chunk (each QC'd as the chunk the catalog now names) and passes by the checks over all of its
+    chunks' rows (``quality.dataset_checks``: the figures an unchunked run of the dataset would check, so it trains
+    exactly when the unchunked dataset would); a single chunk's failed check does not exclude it by itself.
+    """
     import json
 
     layout = settings.layout()
+    catalog = settings.catalog()
     ok, excluded = [], {}
-    for key in settings.catalog().partition_keys:
-        status_file = Path(layout.base) / "qc_shards" / key / QC_STATUS_FILE
-        if not status_file.exists():
-            excluded[key] = "no QC shards yet: materialize the partition first"
+    for dataset in catalog.dataset_keys:
+        spec = catalog.partitions[dataset]
+        keys = catalog.dataset_partition_keys(dataset)
+        statuses, missing, stale = {}, [], []
+        for key in keys:
+            status_file = Path(layout.base) / "qc_shards" / key / QC_STATUS_FILE
+            if not status_file.exists():
+                missing.append(key)
+                continue
+            statuses[key] = status = json.loads(status_file.read_text())
+            chunk = catalog.resolve(key)[1:]
+            if spec.chunks > 1 and status.get("chunk") != list(chunk):
+                stale.append(key)
+        if missing:
+            excluded[dataset] = (f"no QC shards yet for {missing}: materialize the partition first" if spec.chunks == 1
+                                 else f"no QC shards yet for chunks {missing}: materialize them first")
             continue
-        status = json.loads(status_file.read_text())
-        if status.get("passed") and status.get("kept", 0) > 0:
-            ok.append(key)
+        if stale:
+            excluded[dataset] = (f"chunks {stale} were QC'd before the dataset was split into {spec.chunks} chunks: "
+                                 "materialize them again")
+            continue
+        if spec.chunks == 1:
+            status = statuses[dataset]
+            passed, levels = status.get("passed") and status.get("kept", 0) > 0, status
         else:
-            excluded[key] = (f"QC failed (token_structure {status.get('token_structure')}, "
-                             f"response_length {status.get('response_length')}); see the check results")
+            checks = dataset_checks(dataset_rows_files(layout, catalog, dataset), spec.thresholds)
+            passed = checks.passed
+            levels = {"token_structure": checks.token_structure.level,
+                      "response_length": checks.response_length.level}
+        if passed:
+            ok.append(dataset)
+        else:
+            where = "" if spec.chunks == 1 else f" over its {spec.chunks} chunks (dataset_qc)"
+            excluded[dataset] = (f"QC failed{where} (token_structure {levels.get('token_structure')}, "
+                                 f"response_length {levels.get('response_length')}); see the check results")
     return ok, excluded
+
+
+def build_dataset_assets(catalog, partitions_def: dg.PartitionsDefinition) -> list:
+    """``dataset_qc`` over the chunked datasets of ``catalog`` (none when no dataset is chunked): the blocking
+    checks over all of a dataset's chunks, fed by the ``qc_shards`` partitions of ``partitions_def`` (module
+    docstring: why an asset of its own partitions)."""
+    chunked = catalog.chunked_datasets
+    if not chunked:
+        return []
+    datasets_def = dg.StaticPartitionsDefinition(chunked)
+    mapping = dg.StaticPartitionMapping({k: d for d in chunked for k in catalog.dataset_partition_keys(d)})
+
+    @dg.asset(
+        partitions_def=datasets_def,
+        group_name="quality",
+        deps=[dg.AssetDep("qc_shards", partition_mapping=mapping)],
+        kinds={"parquet"},
+        check_specs=[
+            dg.AssetCheckSpec("token_structure", asset="dataset_qc", blocking=True,
+                              description="share of the dataset's generated rows dropped, per reason, over all "
+                              "its chunks"),
+            dg.AssetCheckSpec("response_length", asset="dataset_qc", blocking=True,
+                              description="median, p10, share short and share truncated over all the dataset's "
+                              "chunks vs its thresholds"),
+        ],
+    )
+    def dataset_qc(context: dg.AssetExecutionContext, settings: PipelineSettings):
+        """A chunked dataset's QC over all its chunks: the blocking checks' figures of its union of QC rows
+        (``quality.dataset_checks``), the rows and shards of each chunk, and ``qc_status.json``."""
+        dataset = context.partition_key
+        catalog = settings.catalog()
+        layout = settings.layout()
+        spec = catalog.partitions[dataset]
+        files = dataset_rows_files(layout, catalog, dataset)
+        missing = [f.parent.name for f in files if not f.exists()]
+        if missing:
+            raise dg.Failure(
+                description=f"dataset {dataset}: chunks {missing} have no QC rows yet; materialize them "
+                            f"(partition_job on each) before dataset_qc",
+                allow_retries=False)
+        checks = dataset_checks(files, spec.thresholds)
+        thresholds = spec.thresholds.model_dump()
+        out = layout.stage_dir("dataset_qc", dataset)
+        shards = {f.parent.name: len(shard_paths(f.parent)) for f in files}
+        write_json_atomic(
+            {"dataset": dataset, "chunks": spec.chunks, "token_structure": checks.token_structure.level,
+             "response_length": checks.response_length.level, "passed": checks.passed, "kept": checks.kept,
+             "rows": checks.rows, "rows_by_chunk": {Path(f).parent.name: n for f, n in checks.rows_by_file.items()},
+             "figures": {**checks.token_structure.figures, **checks.response_length.figures}},
+            out / QC_STATUS_FILE)
+        all_reasons = {r: checks.reasons.get(r, 0) for r in DROP_REASONS}
+        yield dg.MaterializeResult(
+            data_version=dg.DataVersion(directory_content_version(out, (QC_STATUS_FILE,))),
+            metadata={
+                "dagster/row_count": checks.kept,
+                "generated": checks.rows,
+                "kept": checks.kept,
+                "chunks": spec.chunks,
+                "rows_by_chunk": dg.MetadataValue.json({Path(f).parent.name: n
+                                                        for f, n in checks.rows_by_file.items()}),
+                "shards_by_chunk": dg.MetadataValue.json(shards),
+                "drop_reason_counts": dg.MetadataValue.json(all_reasons),
+                "median_completion_tokens": checks.response_length.figures.get("median_tokens", 0.0),
+                "share_truncated": checks.response_length.figures.get("share_truncated", 0.0),
+                "path": dg.MetadataValue.path(str(out)),
+            })
+        yield dg.AssetCheckResult(
+            check_name="token_structure", passed=checks.token_structure.passed,
+            severity=_severity(checks.token_structure), description=checks.token_structure.description(),
+            metadata=_check_metadata(checks.token_structure, thresholds,
+                                     {"drop_reasons": dg.MetadataValue.json(all_reasons)}))
+        yield dg.AssetCheckResult(
+            check_name="response_length", passed=checks.response_length.passed,
+            severity=_severity(checks.response_length), description=checks.response_length.description(),
+            metadata=_check_metadata(checks.response_length, thresholds))
+
+    return [dataset_qc]

@@ -88,12 +88,14 @@ def build_inputs_sensor(partition_keys: list[str]) -> dg.SensorDefinition:
         notes: list[str] = []
         versions = []
         for key in loaded:
-            spec = catalog.partitions.get(key)
-            if spec is None:
+            try:
+                spec = catalog.partition(key)
+            except CatalogError:
                 notes.append(f"{key}: no longer in the catalog (reload the code location)")
                 continue
             partition_versions, digest = partition_input_versions(spec, cache)
             files.update(digest.files)
+            cache = {**cache, **digest.files}  # the chunks of a dataset share its files: hash them once per tick
             versions += partition_versions
         versions += global_input_versions(catalog, target.cache_root)
         new_keys = [k for k in catalog.partition_keys if k not in loaded]

@@ -13,7 +13,7 @@ import dagster as dg
 import numpy as np
 import pyarrow.parquet as pq
 
-from eagle_assets.assets.qc import passing_partitions
+from eagle_assets.assets.qc import dataset_shard_paths, passing_partitions
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.serving.resource import SGLangServerResource
 from eagle_assets.provenance import write_provenance
@@ -63,16 +63,14 @@ def row_splits(sample_ids: list[str], training) -> dict[str, str]:
     return {s: split.get(conversation[s], "train") for s in sample_ids}
 
 
-def _read_qc_shards(directory, columns: list[str]):
-    """Every ``shard-NNNNN.parquet`` of a partition's QC output (``quality.qc_pass`` writes bounded shards)."""
+def _dataset_splits(settings: PipelineSettings, key: str) -> tuple[list[Path], dict[str, str]]:
+    """The QC shards of dataset ``key`` (every chunk's, ``assets.qc.dataset_shard_paths``) and the split of its
+    rows (:func:`row_splits` over the sample ids of all of them: a chunked dataset splits as the unchunked one)."""
     import pyarrow as pa
 
-    from eagle_assets.storage import shard_paths
-
-    paths = shard_paths(directory)
-    if not paths:
-        raise FileNotFoundError(f"no QC shards in {directory}: materialize qc_shards for this partition first")
-    return pa.concat_tables([pq.read_table(p, columns=columns) for p in paths])
+    paths = dataset_shard_paths(settings, key)
+    sids = pa.concat_tables([pq.read_table(p, columns=["sample_id"]) for p in paths]).column(0).to_pylist()
+    return paths, row_splits(sids, settings.catalog().training)
 
 
 def load_split_rows(settings: PipelineSettings, keys: list[str], split: str):
@@ -87,14 +85,9 @@ def iter_split_rows(settings: PipelineSettings, keys: list[str], split: str, wan
     """``load_split_rows`` lazily: shard by shard, one record batch at a time, rows sliced from the batch's flat
     arrays (never a whole partition's ids as Python lists). ``wanted``: a collection of ``(partition, sample_id)``
     to keep (None = every row of the split)."""
-    from eagle_assets.storage import shard_paths
-
-    training = settings.catalog().training
-    layout = settings.layout()
     for key in keys:
-        directory = layout.base / "qc_shards" / key
-        splits = row_splits(_read_qc_shards(directory, ["sample_id"]).column(0).to_pylist(), training)
-        for path in shard_paths(directory):
+        paths, splits = _dataset_splits(settings, key)
+        for path in paths:
             for batch in pq.ParquetFile(path).iter_batches(batch_size=1024,
                                                            columns=["sample_id", "input_ids", "loss_mask"]):
                 ids_col, mask_col = batch.column(1), batch.column(2)
@@ -120,14 +113,10 @@ def mix_candidates(settings: PipelineSettings, keys: list[str]):
 
     from eagle_assets.drafter.mix import MixCandidate
 
-    from eagle_assets.storage import shard_paths
-
-    training = settings.catalog().training
     out = []
     for key in keys:
-        directory = settings.layout().base / "qc_shards" / key
-        splits = row_splits(_read_qc_shards(directory, ["sample_id"]).column(0).to_pylist(), training)
-        for path in shard_paths(directory):  # one shard's ids at a time, only their lengths kept
+        paths, splits = _dataset_splits(settings, key)
+        for path in paths:  # one shard's ids at a time, only their lengths kept
             t = pq.read_table(path, columns=["sample_id", "input_ids", "n_prompt_tokens"])
             lengths = pc.subtract(pc.list_value_length(t.column("input_ids")), t.column("n_prompt_tokens")).to_pylist()
             for sid, n in zip(t.column("sample_id").to_pylist(), lengths):
@@ -151,7 +140,6 @@ def build_training_assets() -> list:
         """Draft vocab (d2t, t2d) from token counts over loss-masked completion tokens of every passing partition."""
         from eagle_assets.drafter.vocab import (build_draft_vocab, count_completion_tokens_in_shards,
                                                 validate_draft_vocab)
-        from eagle_assets.storage import shard_paths
 
         keys, excluded = passing_partitions(settings)
         for key, why in excluded.items():
@@ -167,9 +155,7 @@ def build_training_assets() -> list:
         counts = np.zeros(vocab_size, dtype=np.int64)
         per_partition = Counter()
         for key in keys:
-            paths = shard_paths(settings.layout().base / "qc_shards" / key)
-            splits = row_splits(_read_qc_shards(paths[0].parent, ["sample_id"]).column(0).to_pylist(),
-                                settings.catalog().training)
+            paths, splits = _dataset_splits(settings, key)
             part, _ = count_completion_tokens_in_shards(
                 paths, vocab_size, include=lambda sids, sp=splits: np.array([sp[s] == "train" for s in sids], bool))
             counts += part
@@ -217,8 +203,8 @@ def build_training_assets() -> list:
         from eagle_assets.conversation.rollout import turn_numbers
 
         # all_turns partitions are mixed by turn (training.mix.turn_weights); the others exactly as build_mix does
-        turn_of = {(k, rid): t for k in keys
-                   for rid, t in turn_numbers(settings.layout().base / "generations" / k).items()}
+        turn_of = {(k, rid): t for k in keys for part in settings.catalog().dataset_partition_keys(k)
+                   for rid, t in turn_numbers(settings.layout().base / "generations" / part).items()}
         result = build_turn_mix(mix_candidates(settings, keys), spec, keys, turn_of)
         for note in result.notes:
             context.log.warning(f"training mix: {note}")

@@ -40,6 +40,7 @@ CODE_VERSIONS: dict[str, str] = {
     "generations": "1",
     "qc_shards": "1",
     "length_report": "1",
+    "dataset_qc": "1",
     "draft_vocab": "1",
     "training_mix": "1",
     "drafter_checkpoint": "1",
@@ -139,11 +140,13 @@ def partition_source_digest(spec: PartitionSpec, cache: dict[str, list] | None =
 def source_files_version(spec: PartitionSpec,
                          cache: dict[str, list] | None = None) -> tuple[InputVersion, SourceDigest]:
     """``source_files[<partition>]``: the content of the partition's source files and the record selection that
-    ``raw_prompts`` applies to them (``prompt_policy``, ``limit``, ``seed``). Returns the version and the digest
-    (whose ``files`` the sensor keeps in its cursor)."""
+    ``raw_prompts`` applies to them (``prompt_policy``, ``limit``, ``seed``; for a chunk, its index and count).
+    Returns the version and the digest (whose ``files`` the sensor keeps in its cursor)."""
     digest = partition_source_digest(spec, cache)
     facts = {"sources_sha256": digest.digest, "sources": digest.sources, "prompt_policy": spec.prompt_policy,
              "limit": spec.limit, "seed": spec.seed}
+    if spec.chunk is not None:  # which slice of the dataset (a chunk key is reused when the chunk count changes)
+        facts["chunk"] = [spec.chunk, spec.chunks]
     problem = (f"source file(s) of partition {spec.key} missing or unreadable: {digest.missing}; fix the path in the "
                "catalog or restore the file") if digest.missing else None
     return _version("source_files", spec.key, facts, problem), digest
@@ -268,7 +271,7 @@ def generation_fingerprint(catalog: Catalog, key: str, cache_root: str = "") -> 
     tokenized cache did before it was keyed by the template (SpecForge commit 1de70d18). Adding or removing source
     records does not change it: new sample ids are generated, the old rows are reused.
     """
-    spec = catalog.partitions[key]
+    spec = catalog.partition(key)
     inputs = {
         "sampling_settings": sampling_settings_version(spec).data_version,
         "render_settings": render_settings_version(spec).data_version,
