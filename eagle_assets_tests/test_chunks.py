@@ -334,3 +334,22 @@ def test_cli_partitions_expand_a_chunked_dataset_and_refuse_unknown_keys(tmp_pat
         (layout.stage_dir("qc_shards", key) / "rows.parquet").touch()
     assert datasets_complete(catalog, layout, ["B.c00"]) == ["B"] and datasets_complete(catalog, layout, ["A"]) == []
     assert os.path.isdir(layout.base / "qc_shards" / "B.c02")
+
+
+def test_an_empty_chunk_says_so_and_its_dataset_still_has_rows(tmp_path):
+    from eagle_assets.definitions import build_definitions
+
+    catalog_path = _catalog(tmp_path, {"D": {"chunks": 40}})
+    (tmp_path / "src.jsonl").write_text("".join(json.dumps({"question": f"q{i}", "answer": "a"}) + "\n"
+                                                for i in range(3)))
+    catalog = load_catalog(catalog_path)
+    sids = {r["sample_id"] for r in _rows_of(tmp_path / "src.jsonl", tmp_path / "whole", None)}
+    empty = next(k for k in catalog.partition_keys if catalog.resolve(k)[1] not in {chunk_of(s, 40) for s in sids})
+    defs = build_definitions(catalog_path, storage_root=tmp_path / "store")
+    raw = next(a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and a.keys == {dg.AssetKey("raw_prompts")})
+    (tmp_path / "home").mkdir()
+    with dg.instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
+        result = dg.materialize([raw], partition_key=empty, instance=instance, resources=defs.resources)
+    check = _checks(result)[("raw_prompts", "prompts_available")]
+    assert not check.passed
+    assert check.description.startswith(f"chunk {empty} is empty: none of the rows of dataset D (3 available)")

@@ -21,6 +21,9 @@ What replaced the hand-written sensors (see docs/scaling.md):
   backfill (``~any_deps_missing``, ``~any_deps_in_progress``), and never twice at once (``~in_progress``). A
   partition whose QC failed is left out by the assets themselves (``passing_partitions``), as in ``training_job``.
 
+``dataset_qc`` (datasets split into chunks) is ``eager`` over its ``qc_shards`` chunks: it is requested once every
+chunk of its dataset is materialized and none is in a run, then again whenever a chunk's QC data changes.
+
 ``length_report`` drops the missing-dependency gate: the report covers whichever partitions have QC rows and says
 which are missing, as ``partition_job`` refreshes it after every partition.
 """

@@ -61,6 +61,10 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
                              + ("" if spec.chunk == 0 else "; its rejects are recorded by chunk 0"))
         if rows:
             availability = f"{rows} prompts ({available} available, {rejected} records rejected)"
+        elif chunk is not None and available:
+            availability = (f"chunk {key} is empty: none of the rows of dataset {spec.dataset} ({available} "
+                            f"available{f', a sample of {spec.limit}' if spec.limit else ''}) falls in chunk "
+                            f"{spec.chunk} of {spec.chunks}; give the dataset fewer chunks")
         elif rejected:
             availability = (f"partition {key} is empty: all {rejected} records of its sources were rejected "
                             f"({dict(reasons.most_common(5))}); see {out / 'rejects.parquet'} for each reason")
