@@ -28,6 +28,8 @@ import yaml
 from eagle_assets.catalog import CatalogError, chunk_keys, load_catalog
 from eagle_assets.raw_prompts_pass import chunk_of, write_raw_prompts
 
+pytestmark = pytest.mark.slow(seconds=50)  # its share of a parallel session: scheduled early (conftest)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOOSE = {"min_median_tokens": 0, "max_share_short_warn": 1.0, "max_share_short_error": 1.0,
          "max_share_truncated_warn": 1.0, "max_share_truncated_error": 1.0, "max_share_dropped_warn": 1.0,
