@@ -31,7 +31,7 @@ Four modes, all on synthetic ShareGPT-like data with the real Qwen3 tokenizer
 
 Usage: ``.venv/bin/python bench/bench_scale.py micro [--rows 20000]``
        ``.venv/bin/python bench/bench_scale.py qc --conversations 10000 100000 [--baseline /tmp/base]``
-       ``.venv/bin/python bench/bench_scale.py job --conversations 10000 100000 [--baseline /tmp/base]``
+       ``.venv/bin/python bench/bench_scale.py job --conversations 10000 100000 [--baseline /tmp/base] [--chunks K]``
        ``.venv/bin/python bench/bench_scale.py client [--requests 20000] [--concurrency 1024] [--baseline /tmp/base]``
 
 Numbers depend on the machine's load: micro prints this process's run-queue wait (``bench/schedstat.py``), job and
@@ -329,27 +329,31 @@ def start_shaped_stub(concurrency: int) -> tuple[subprocess.Popen, str]:
     return proc, line[len(READY_PREFIX):].strip()
 
 
-def _step_seconds(home: Path) -> dict[str, float]:
-    """Seconds per step (STEP_START to STEP_SUCCESS / STEP_FAILURE) of the latest run in the instance at ``home``."""
+def _step_seconds(home: Path, runs: int = 1) -> dict[str, float]:
+    """Seconds per step (STEP_START to STEP_SUCCESS / STEP_FAILURE), summed over the latest ``runs`` partition_job
+    runs in the instance at ``home`` (one per chunk of a chunked dataset)."""
     import dagster as dg
 
+    out: dict[str, float] = {}
     with dg.DagsterInstance.from_config(str(home)) as instance:
-        run = instance.get_runs(limit=1)[0]
-        start, out = {}, {}
-        for rec in instance.all_logs(run.run_id):
-            ev = rec.dagster_event
-            if ev is None or ev.step_key is None:
-                continue
-            if ev.event_type_value == "STEP_START":
-                start[ev.step_key] = rec.timestamp
-            elif ev.event_type_value in ("STEP_SUCCESS", "STEP_FAILURE") and ev.step_key in start:
-                out[ev.step_key] = rec.timestamp - start[ev.step_key]
+        for run in instance.get_runs(dg.RunsFilter(job_name="partition_job"), limit=runs):
+            start = {}
+            for rec in instance.all_logs(run.run_id):
+                ev = rec.dagster_event
+                if ev is None or ev.step_key is None:
+                    continue
+                if ev.event_type_value == "STEP_START":
+                    start[ev.step_key] = rec.timestamp
+                elif ev.event_type_value in ("STEP_SUCCESS", "STEP_FAILURE") and ev.step_key in start:
+                    out[ev.step_key] = out.get(ev.step_key, 0.0) + rec.timestamp - start[ev.step_key]
     return out
 
 
-def _run_job(tree: Path, n: int, concurrency: int, keep: Path | None, baseline: bool) -> tuple | str:
-    """One partition-job run of ``tree``'s code at ``n`` conversations; (n, output tokens, wall s, peak RSS GB,
-    seconds per step, files per stage) or the failure text."""
+def _run_job(tree: Path, n: int, concurrency: int, keep: Path | None, baseline: bool, chunks: int = 1
+             ) -> tuple | str:
+    """One partition-job run of ``tree``'s code at ``n`` conversations (``chunks`` > 1: the dataset as that many
+    chunk partitions, one run each, then ``dataset_job``, all from one CLI call); (n, output tokens, wall s, peak
+    RSS GB, seconds per step summed over the chunks, files per stage) or the failure text."""
     here = Path(__file__).resolve().parents[1]
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
@@ -366,7 +370,7 @@ def _run_job(tree: Path, n: int, concurrency: int, keep: Path | None, baseline: 
             "partitions": {"S_sharegpt": {
                 "sources": [{"path": str(tmp / "sharegpt.jsonl"), "format": "sharegpt"}],
                 "prompt_policy": "last_user", "sampling": {"max_new_tokens": CAP, "temperature": 0.6},
-                "max_prompt_tokens": 4096, "seed": 0}},
+                "max_prompt_tokens": 4096, "seed": 0, **({"chunks": chunks} if chunks > 1 else {})}},
         }
         (tmp / "bench.yaml").write_text(json.dumps(catalog))  # JSON is YAML
         env = dict(os.environ, DAGSTER_HOME=str(home), EAGLE_ASSETS_HOME=str(store))
@@ -388,12 +392,14 @@ def _run_job(tree: Path, n: int, concurrency: int, keep: Path | None, baseline: 
         stub.wait(10)
     if proc.returncode:
         return f"the partition job ({'baseline' if baseline else 'this tree'}) failed at {n:,}:\n{log[-4000:]}"
-    steps = _step_seconds(home)
+    steps = _step_seconds(home, chunks)
     base = store / "bench"
-    out_tokens = int(pq.read_table(base / "qc_shards" / "S_sharegpt" / "rows.parquet",
-                                   columns=["completion_tokens"]).column(0).to_numpy().sum())
-    shards = {s: len(list((base / s / "S_sharegpt").glob("*.parquet"))) if (base / s / "S_sharegpt").exists()
-              else 0 for s in JOB_STAGES}
+    keys = ["S_sharegpt"] if chunks == 1 else [f"S_sharegpt.c{i:0{max(2, len(str(chunks - 1)))}d}"
+                                               for i in range(chunks)]
+    out_tokens = sum(int(pq.read_table(base / "qc_shards" / k / "rows.parquet",
+                                       columns=["completion_tokens"]).column(0).to_numpy().sum()) for k in keys)
+    shards = {s: sum(len(list((base / s / k).glob("*.parquet"))) for k in keys if (base / s / k).exists())
+              for s in JOB_STAGES}
     if keep is None:
         import shutil
 
@@ -402,7 +408,7 @@ def _run_job(tree: Path, n: int, concurrency: int, keep: Path | None, baseline: 
 
 
 def job_stage(sizes: list[int], concurrency: int, keep: Path | None, baseline: Path | None = None,
-              baseline_max: int = 10_000) -> int:
+              baseline_max: int = 10_000, chunks: int = 1) -> int:
     """The partition job through the CLI (``eagle-assets run --skip-training``: Dagster's ``execute_in_process``
     against a real sqlite instance) per size, each run a child process whose peak RSS comes from ``wait4``; with
     ``baseline`` (an export of the code before issue 16) the same job of that tree, side by side."""
@@ -410,13 +416,14 @@ def job_stage(sizes: list[int], concurrency: int, keep: Path | None, baseline: P
     print(f"load average {open('/proc/loadavg').read().split()[0]} on {os.cpu_count()} CPUs", flush=True)
     rows_out, base_out = [], {}
     for n in sizes:
-        got = _run_job(here, n, concurrency, keep, baseline=False)
+        got = _run_job(here, n, concurrency, keep, baseline=False, chunks=chunks)
         if isinstance(got, str):
             print(got)
             return 1
         rows_out.append(got)
         _, out_tokens, wall, peak, steps, _ = got
-        print(f"| {n:,} conversations | {out_tokens:,} output tokens | wall {wall:.1f} s | peak RSS {peak:.2f} GB "
+        print(f"| {n:,} conversations{f' in {chunks} chunks' if chunks > 1 else ''} | {out_tokens:,} output tokens "
+              f"| wall {wall:.1f} s | peak RSS {peak:.2f} GB "
               f"| " + " | ".join(f"{s} {steps.get(s, float('nan')):.1f} s" for s in JOB_STAGES) + " |", flush=True)
         if baseline is not None and n <= baseline_max:
             old = _run_job(baseline, n, concurrency, keep, baseline=True)
@@ -570,6 +577,8 @@ def main() -> int:
     j.add_argument("--baseline", type=Path, default=None,
                    help="a tree of the code before issue 16 (git archive e5c85fb | tar -x -C DIR), run side by side")
     j.add_argument("--baseline-max", type=int, default=10_000, help="largest size run through the baseline")
+    j.add_argument("--chunks", type=int, default=1,
+                   help="split the dataset into this many chunk partitions (catalog chunks: N), one run each")
     c = sub.add_parser("client", help="run_generation at many requests in flight against the zero-latency stub")
     c.add_argument("--requests", type=int, default=20_000)
     c.add_argument("--concurrency", type=int, default=1024)
@@ -587,7 +596,8 @@ def main() -> int:
             return client_compare(args.requests, args.concurrency, args.baseline)
         return client_stage(args.requests, args.concurrency)
     if args.cmd == "job":
-        return job_stage(args.conversations, args.concurrency, args.keep, args.baseline, args.baseline_max)
+        return job_stage(args.conversations, args.concurrency, args.keep, args.baseline, args.baseline_max,
+                         args.chunks)
     return qc_stage(args.conversations, args.baseline, args.baseline_max)
 
 
