@@ -161,12 +161,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         os.environ["EAGLE_ASSETS_CATALOG"] = str(Path(args.catalog).resolve())
     import dagster as dg
 
-    from eagle_assets.definitions import DATASET_JOB, PARTITION_JOB, TRAINING_JOB, build_definitions
-    from eagle_assets.storage import Layout, default_storage_root
     from eagle_assets.catalog import CatalogError, default_catalog_path
+    from eagle_assets.storage import Layout, default_storage_root
 
     catalog_path = Path(args.catalog or default_catalog_path()).resolve()
-    defs = build_definitions(catalog_path)
+    try:  # importing definitions loads $EAGLE_ASSETS_CATALOG (its module-level defs) too
+        from eagle_assets.definitions import DATASET_JOB, PARTITION_JOB, TRAINING_JOB, build_definitions
+
+        defs = build_definitions(catalog_path)
+    except CatalogError as exc:  # the message names the file, the field and what to do: no traceback needed
+        print(exc)
+        return 2
     settings = defs.resources["settings"]
     catalog = settings.catalog()
     try:
@@ -201,7 +206,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 print(line, flush=True)
             if not result.success:
                 failed.append(key)
-    for dataset in datasets_complete(catalog, layout, keys):
+    complete = datasets_complete(catalog, layout, keys)
+    for dataset in sorted({catalog.resolve(k)[0] for k in keys} & set(catalog.chunked_datasets) - set(complete)):
+        absent = [k for k in catalog.dataset_partition_keys(dataset)
+                  if not (layout.base / "qc_shards" / k / "rows.parquet").exists()]
+        print(f"dataset {dataset}: dataset_qc not run yet, {len(absent)} of {catalog.partitions[dataset].chunks} "
+              f"chunks have no QC rows ({absent[:5]}{' ...' if len(absent) > 5 else ''}); its length report line "
+              f"covers the chunks done so far. Run them (--partitions {dataset}) to check the whole dataset.",
+              flush=True)
+    for dataset in complete:
         t0 = time.monotonic()
         result = defs.resolve_job_def(DATASET_JOB).execute_in_process(
             partition_key=dataset, instance=instance, raise_on_error=False)

@@ -338,6 +338,15 @@ def test_cli_partitions_expand_a_chunked_dataset_and_refuse_unknown_keys(tmp_pat
     assert os.path.isdir(layout.base / "qc_shards" / "B.c02")
 
 
+def test_cli_refuses_a_bad_chunks_value_with_the_catalog_message_not_a_traceback(tmp_path, capsys):
+    from eagle_assets.cli import main
+
+    path = _catalog(tmp_path, {"A": {"chunks": 0}})
+    assert main(["run", "--catalog", str(path), "--skip-training"]) == 2
+    out = capsys.readouterr().out
+    assert "partitions.A.chunks" in out and "greater than or equal to 1" in out and "Traceback" not in out
+
+
 def test_an_empty_chunk_says_so_and_its_dataset_still_has_rows(tmp_path):
     from eagle_assets.definitions import build_definitions
 
