@@ -394,8 +394,9 @@ def _run_job(tree: Path, n: int, concurrency: int, keep: Path | None, baseline: 
         return f"the partition job ({'baseline' if baseline else 'this tree'}) failed at {n:,}:\n{log[-4000:]}"
     steps = _step_seconds(home, chunks)
     base = store / "bench"
-    keys = ["S_sharegpt"] if chunks == 1 else [f"S_sharegpt.c{i:0{max(2, len(str(chunks - 1)))}d}"
-                                               for i in range(chunks)]
+    from eagle_assets.catalog import chunk_keys
+
+    keys = ["S_sharegpt"] if chunks == 1 else chunk_keys("S_sharegpt", chunks)
     out_tokens = sum(int(pq.read_table(base / "qc_shards" / k / "rows.parquet",
                                        columns=["completion_tokens"]).column(0).to_numpy().sum()) for k in keys)
     shards = {s: sum(len(list((base / s / k).glob("*.parquet"))) for k in keys if (base / s / k).exists())

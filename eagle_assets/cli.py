@@ -147,12 +147,20 @@ def selected_partition_keys(catalog, selection: str | None) -> list[str]:
     return keys
 
 
+def chunks_without_qc(catalog, layout, keys: list[str]) -> dict[str, list[str]]:
+    """For each chunked dataset with a chunk among ``keys``: its chunk keys that have no QC rows yet
+    (``assets.qc.dataset_rows_files``); an empty list = ``dataset_job`` can check it now."""
+    from eagle_assets.assets.qc import dataset_rows_files
+
+    touched = {catalog.resolve(k)[0] for k in keys}
+    return {d: [f.parent.name for f in dataset_rows_files(layout, catalog, d) if not f.exists()]
+            for d in catalog.chunked_datasets if d in touched}
+
+
 def datasets_complete(catalog, layout, keys: list[str]) -> list[str]:
     """The chunked datasets with a chunk among ``keys`` and QC rows in every chunk: those ``dataset_job`` can
     check now."""
-    touched = {catalog.resolve(k)[0] for k in keys}
-    return [d for d in catalog.chunked_datasets if d in touched
-            and all((layout.base / "qc_shards" / k / "rows.parquet").exists() for k in catalog.dataset_partition_keys(d))]
+    return [d for d, absent in chunks_without_qc(catalog, layout, keys).items() if not absent]
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -206,15 +214,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 print(line, flush=True)
             if not result.success:
                 failed.append(key)
-    complete = datasets_complete(catalog, layout, keys)
-    for dataset in sorted({catalog.resolve(k)[0] for k in keys} & set(catalog.chunked_datasets) - set(complete)):
-        absent = [k for k in catalog.dataset_partition_keys(dataset)
-                  if not (layout.base / "qc_shards" / k / "rows.parquet").exists()]
+    waiting = chunks_without_qc(catalog, layout, keys)
+    for dataset, absent in waiting.items():
+        if not absent:
+            continue
         print(f"dataset {dataset}: dataset_qc not run yet, {len(absent)} of {catalog.partitions[dataset].chunks} "
               f"chunks have no QC rows ({absent[:5]}{' ...' if len(absent) > 5 else ''}); its length report line "
               f"covers the chunks done so far. Run them (--partitions {dataset}) to check the whole dataset.",
               flush=True)
-    for dataset in complete:
+    for dataset in (d for d, absent in waiting.items() if not absent):
         t0 = time.monotonic()
         result = defs.resolve_job_def(DATASET_JOB).execute_in_process(
             partition_key=dataset, instance=instance, raise_on_error=False)
