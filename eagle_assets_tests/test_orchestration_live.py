@@ -1,5 +1,6 @@
-"""The deployment as users run it: ``dagster-daemon`` and ``dagster-webserver`` as real processes on the repo's
-``dagster.yaml`` (sqlite under a fresh DAGSTER_HOME) and ``workspace.yaml``, the embedded demo target served over
+"""The deployment as users run it (README): ``dagster dev`` on the repo's ``dagster.yaml`` (sqlite under a fresh
+DAGSTER_HOME) and ``workspace.yaml``, so a real ``dagster-webserver`` and ``dagster-daemon`` share the one code
+server ``dagster dev`` starts, the embedded demo target served over
 HTTP with an API key, a ``dagster job backfill`` of every partition from the CLI, the inputs and automation sensors
 ticking on the daemon, and the UI driven in headless Chromium.
 
@@ -52,7 +53,8 @@ def _free_port() -> int:
 
 @dataclass
 class Proc:
-    """A server process in its own process group (``start_new_session``), so stopping it stops its code servers."""
+    """A server process in its own process group (``start_new_session``), so stopping it stops the webserver, the
+    daemon and the code server it started."""
 
     popen: subprocess.Popen
     log: Path
@@ -87,8 +89,7 @@ class Deployment:
     env: dict
     data: Path
     instance: dg.DagsterInstance
-    daemon: Proc
-    web: Proc
+    dev: Proc
     port: int
     target: Path
 
@@ -110,8 +111,7 @@ class Deployment:
             time.sleep(1.0)
 
     def logs_tail(self) -> str:
-        tails = [f"--- {p.log.name}\n{p.log.read_text(errors='replace')[-3000:]}" for p in (self.daemon, self.web)]
-        return "\n".join(tails)
+        return f"--- {self.dev.log.name}\n{self.dev.log.read_text(errors='replace')[-6000:]}"
 
     def failure_report(self, run: dg.DagsterRun) -> str:
         events = [e for e in self.instance.all_logs(run.run_id) if e.dagster_event and e.dagster_event.is_failure]
@@ -174,17 +174,15 @@ def deployment(demo_target, tmp_path_factory):
     instance = dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))
     instance.get_runs(limit=1)
     port = _free_port()
-    daemon = _start([str(BIN / "dagster-daemon"), "run", "-w", str(workspace)], env, root, root / "daemon.log")
-    # No -h: the webserver's default bind address is what this deployment is tested with.
-    web = _start([str(BIN / "dagster-webserver"), "-w", str(workspace), "-p", str(port)], env, root,
-                 root / "webserver.log")
-    dep = Deployment(root, home, root / "store" / "live", workspace, env, root / "data", instance, daemon, web, port,
-                     target)
+    # `dagster dev` starts the code server once and points the webserver and the daemon at it, so the daemon's
+    # workspace refresh (every 60 s) reconnects instead of starting a new code server each time, as it does when
+    # `dagster-daemon run -w workspace.yaml` manages its own. No -h: the default bind address is what is tested.
+    dev = _start([str(BIN / "dagster"), "dev", "-w", str(workspace), "-p", str(port)], env, root, root / "dev.log")
+    dep = Deployment(root, home, root / "store" / "live", workspace, env, root / "data", instance, dev, port, target)
     try:
         yield dep
     finally:
-        web.stop()
-        daemon.stop()
+        dev.stop()
         instance.dispose()
 
 
