@@ -96,3 +96,65 @@ def test_k25_generation_prompt_opens_the_block_and_k2_thinking_does_not(kimi):
             assert r.flags["ids_after_think_start"] == ([] if opens else None)
     finally:
         kimi.chat_template = saved
+
+
+def test_the_built_core_is_cached_on_disk_and_a_damaged_cache_is_rebuilt(kimi, tmp_path, monkeypatch, caplog):
+    """A second process (here: the in-memory cache cleared) reads the core from disk instead of replaying 163k
+    merges; the cached core is the built one; a damaged or foreign file is rebuilt, and an unwritable cache
+    directory only means no cache."""
+    from eagle_assets.target_model import kimi as kimi_module
+
+    monkeypatch.setenv(kimi_module.CACHE_ENV, str(tmp_path / "cache"))
+    args = (str((KIMI / "tiktoken.model").resolve()), str((KIMI / "tokenizer_config.json").resolve()))
+    built_calls = []
+    real_build = kimi_module._build_core
+    monkeypatch.setattr(kimi_module, "_build_core", lambda *a: built_calls.append(1) or real_build(*a))
+
+    def fresh_core():
+        kimi_module._cached_core.cache_clear()
+        return kimi_module._cached_core(*args)
+
+    try:
+        built = fresh_core()
+        files = list((tmp_path / "cache").glob("*.json"))
+        assert len(built_calls) == 1 and len(files) == 1
+        cached = fresh_core()
+        assert len(built_calls) == 1, "the second load rebuilt the merges instead of reading the cache"
+        assert cached.to_str() == built.to_str()
+        assert cached.encode(TEXT).ids == built.encode(TEXT).ids == kimi.encode(TEXT, add_special_tokens=False)
+
+        files[0].write_text('{"version": "1.0", "truncated')
+        assert fresh_core().to_str() == built.to_str() and len(built_calls) == 2
+        assert "unreadable" in caplog.text
+        assert fresh_core() is not None and len(built_calls) == 2, "the rebuilt core was not written back"
+
+        # A readable tokenizer that is not this vocabulary (a file of another tokenizer under this key)
+        from tokenizers import Tokenizer
+        from tokenizers.models import BPE
+
+        Tokenizer(BPE({"a": 0}, [])).save(str(files[0]))
+        assert fresh_core().to_str() == built.to_str() and len(built_calls) == 3
+        assert "does not match" in caplog.text
+
+        blocker = tmp_path / "not-a-dir"
+        blocker.write_text("")
+        monkeypatch.setenv(kimi_module.CACHE_ENV, str(blocker / "cache"))
+        assert fresh_core().to_str() == built.to_str() and len(built_calls) == 4
+        monkeypatch.setenv(kimi_module.CACHE_ENV, "off")
+        assert kimi_module.core_cache_dir() is None
+    finally:
+        kimi_module._cached_core.cache_clear()
+
+
+def test_a_loaded_tokenizer_never_shares_the_cached_core(kimi):
+    """Tokens added to one loaded tokenizer reach neither the process's cached core nor the next load."""
+    from eagle_assets.target_model import kimi as kimi_module
+
+    core = kimi_module._cached_core(str((KIMI / "tiktoken.model").resolve()),
+                                    str((KIMI / "tokenizer_config.json").resolve()))
+    one = load_kimi_tokenizer(KIMI, TEMPLATE)
+    assert one.backend_tokenizer is not core
+    one.add_tokens(["<|a_token_only_this_instance_has|>"])
+    assert len(one) == 163841
+    assert core.token_to_id("<|a_token_only_this_instance_has|>") is None
+    assert len(load_kimi_tokenizer(KIMI, TEMPLATE)) == 163840

@@ -13,14 +13,23 @@ Hugging Face ``tokenizers`` byte-level BPE:
   character-class intersection, which Oniguruma supports), then byte-level mapping;
 - the 256 reserved ids above the BPE vocab: named from ``added_tokens_decoder``, the rest
   ``<|reserved_token_{id}|>`` as in ``tokenization_kimi.py``.
+
+Replaying the merges takes ~4 CPU seconds, in every process that loads the tokenizer (each Dagster run step, each
+test worker). The built core is therefore also kept on disk as a ``tokenizers`` JSON file (~5 MB, ~0.7 s to load),
+named by the sha256 of ``tiktoken.model``, the special tokens and this module's build rules (:data:`CORE_FORMAT`),
+in ``$EAGLE_ASSETS_TOKENIZER_CACHE`` (default ``$XDG_CACHE_HOME/eagle-assets/kimi-tokenizer``, ``~/.cache`` when
+unset; ``off`` disables it). A cache that cannot be written is skipped; one that cannot be read is rebuilt.
 """
 
 from __future__ import annotations
 
 import base64
-import copy
 import functools
+import hashlib
 import json
+import logging
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +49,11 @@ KIMI_PAT_STR = "|".join(
     ]
 )
 NUM_RESERVED_SPECIAL_TOKENS = 256
+# Bump when _build_core changes what it builds: cached cores of an older format are then never read.
+CORE_FORMAT = 1
+CACHE_ENV = "EAGLE_ASSETS_TOKENIZER_CACHE"
+
+log = logging.getLogger(__name__)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -54,10 +68,13 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
-    """``tiktoken.model`` -> {token bytes: rank}; raises TokenizerLoadError on a malformed line or sparse ranks."""
+def read_tiktoken_ranks(path: Path, text: str | None = None) -> dict[bytes, int]:
+    """``tiktoken.model`` (or its ``text``, already read) -> {token bytes: rank}; raises TokenizerLoadError on a
+    malformed line or sparse ranks."""
     ranks: dict[bytes, int] = {}
-    for lineno, line in enumerate(path.read_text(encoding="ascii").splitlines()):
+    if text is None:
+        text = path.read_text(encoding="ascii")
+    for lineno, line in enumerate(text.splitlines()):
         if not line.strip():
             continue
         try:
@@ -114,20 +131,95 @@ def _build_core(ranks: dict[bytes, int], specials: list[tuple[str, bool]]) -> An
     return core
 
 
-@functools.lru_cache(maxsize=4)
-def _cached_core(model_path: str, config_path: str) -> Any:
-    ranks = read_tiktoken_ranks(Path(model_path))
-    config = json.loads(Path(config_path).read_text()) if Path(config_path).is_file() else {}
+def core_cache_dir() -> Path | None:
+    """Where built cores are kept (module docstring); None when ``$EAGLE_ASSETS_TOKENIZER_CACHE`` is ``off``."""
+    env = os.environ.get(CACHE_ENV)
+    if env is not None and env.strip().lower() == "off":
+        return None
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "eagle-assets" / "kimi-tokenizer"
+
+
+def _specials(config: dict, n: int) -> list[tuple[str, bool]]:
     named = {int(k): v for k, v in (config.get("added_tokens_decoder") or {}).items()}
-    n = len(ranks)
-    specials = []
+    out = []
     for idx in range(n, n + NUM_RESERVED_SPECIAL_TOKENS):
         entry = named.get(idx)
-        specials.append((entry["content"], bool(entry.get("special", True))) if entry else (f"<|reserved_token_{idx}|>", True))
-    core = _build_core(ranks, specials)
+        out.append((entry["content"], bool(entry.get("special", True))) if entry else (f"<|reserved_token_{idx}|>", True))
+    return out
+
+
+def _specials_misplaced(core: Any, n: int, specials: list[tuple[str, bool]]) -> tuple[str, int | None, int] | None:
+    """(text, id it got, id it should have) of the first special token off its id, else None."""
     for idx, (text, _) in zip(range(n, n + NUM_RESERVED_SPECIAL_TOKENS), specials):
         if core.token_to_id(text) != idx:
-            raise TokenizerLoadError(f"{model_path}: special token {text!r} landed on id {core.token_to_id(text)}, expected {idx}")
+            return text, core.token_to_id(text), idx
+    return None
+
+
+def _read_cached_core(path: Path, n: int, specials: list[tuple[str, bool]]) -> Any | None:
+    from tokenizers import Tokenizer
+
+    try:
+        core = Tokenizer.from_file(str(path))
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # a damaged file: rebuilt and replaced by the caller
+        log.warning("cached Kimi tokenizer %s is unreadable (%s); rebuilding it", path, e)
+        return None
+    if core.get_vocab_size(with_added_tokens=True) != n + NUM_RESERVED_SPECIAL_TOKENS or \
+            _specials_misplaced(core, n, specials) is not None:
+        log.warning("cached Kimi tokenizer %s does not match its tiktoken.model; rebuilding it", path)
+        return None
+    return core
+
+
+def _write_cached_core(path: Path, core: Any) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(core.to_str())
+            os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a cache shared by several users must stay readable
+            os.replace(tmp, path)  # readers see the whole file or none
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as e:
+        log.info("not caching the Kimi tokenizer at %s (%s); set %s to a writable directory", path, e, CACHE_ENV)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_core(model_path: str, config_path: str) -> Any:
+    """The core for these files: from this process's memory, else the disk cache, else built (and cached)."""
+    try:
+        raw = Path(model_path).read_bytes()
+        text = raw.decode("ascii")
+    except UnicodeDecodeError as e:
+        raise TokenizerLoadError(f"{model_path}: not ASCII ({e}); not a tiktoken BPE file") from None
+    config = json.loads(Path(config_path).read_text()) if Path(config_path).is_file() else {}
+    n = sum(1 for line in text.splitlines() if line.strip())
+    specials = _specials(config, n)
+    cache_dir = core_cache_dir()
+    cache_file = None
+    if cache_dir is not None:
+        key = hashlib.sha256(json.dumps({"format": CORE_FORMAT, "pat": KIMI_PAT_STR, "specials": specials},
+                                        sort_keys=True).encode() + b"\0" + raw).hexdigest()
+        cache_file = cache_dir / f"{key[:32]}.json"
+        core = _read_cached_core(cache_file, n, specials)
+        if core is not None:
+            return core
+    ranks = read_tiktoken_ranks(Path(model_path), text)
+    core = _build_core(ranks, specials)
+    misplaced = _specials_misplaced(core, len(ranks), specials)
+    if misplaced is not None:
+        text, got, want = misplaced
+        raise TokenizerLoadError(f"{model_path}: special token {text!r} landed on id {got}, expected {want}")
+    if cache_file is not None:
+        _write_cached_core(cache_file, core)
     return core
 
 
@@ -140,7 +232,7 @@ def load_kimi_tokenizer(model_dir: str | Path, chat_template_path: str | Path | 
             template). Default: ``chat_template.jinja`` in model_dir, else tokenizer_config's ``chat_template``.
     Returns:
         tokenizer with 163,840 ids, bos ``[BOS]``, eos ``[EOS]``, pad ``[PAD]``, unk ``[UNK]``. Building the merges
-        takes a few seconds; the result is cached per process.
+        takes a few seconds; the result is cached per process and on disk (module docstring).
     Raises:
         TokenizerLoadError: missing or malformed files.
     """
@@ -161,7 +253,10 @@ def load_kimi_tokenizer(model_dir: str | Path, chat_template_path: str | Path | 
     else:
         template = config.get("chat_template")
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=copy.deepcopy(core),  # the cached core must not see this instance's changes
+        # PreTrainedTokenizerFast deep-copies tokenizer_object itself (transformers 5.24,
+        # tokenization_utils_tokenizers.py), so this instance's changes never reach the cached core; a second copy
+        # here cost ~0.9 s a load (test_target_kimi checks that the instance does not share the core).
+        tokenizer_object=core,
         bos_token=config.get("bos_token", "[BOS]"),
         eos_token=config.get("eos_token", "[EOS]"),
         unk_token=config.get("unk_token", "[UNK]"),
