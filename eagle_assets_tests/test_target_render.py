@@ -88,6 +88,21 @@ def test_profile_overrides(qwen):
         detect_profile(qwen, {"tool_call_start": ["<tool_call>", "<tool_response>"]})
 
 
+def test_profile_token_lookups_equal_the_whole_vocab(qwen, deepseek):
+    """Detection looks tokens up one by one; each answer is the one ``get_vocab()`` (plus
+    ``added_tokens_decoder``) gives, for every token of both vocabularies, their added tokens and a missing one."""
+    from eagle_assets.target_model.profile import _TokenIds
+
+    for tok in (qwen, deepseek):
+        vocab = dict(tok.get_vocab())
+        for idx, added in tok.added_tokens_decoder.items():
+            vocab.setdefault(str(added), int(idx))
+        ids = _TokenIds(tok)
+        assert ids._vocab is None  # a fast tokenizer: answered by its backend, no copy of the vocab
+        assert [ids.get(t) for t in vocab] == list(vocab.values())
+        assert ids.get("<not a token of this vocab>") is None and "<not a token of this vocab>" not in ids
+
+
 def test_demo_style_tokenizer_profile(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
