@@ -17,8 +17,12 @@ from eagle_assets.storage import read_shards
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _catalog(tmp_path: Path) -> Path:
+def _catalog(tmp_path: Path, server_url: str) -> Path:
     base = yaml.safe_load((REPO_ROOT / "catalogs" / "default.yaml").read_text())
+    # One embedded server for the module, as a user's running server or sglang-router is given: each partition
+    # run would otherwise launch its own (8 CPU-s of imports each). Launching from the pipeline is tested in
+    # test_serving_resource.py and, under the daemon, in test_orchestration_live.py.
+    base["server"]["url"] = server_url
     b1 = base["partitions"]["B1_glaive"]
     b1["prompt_policy"] = "last_user"  # the single-turn path; all_turns end to end: test_multi_turn_pipeline.py
     b1["sources"] = [{"path": str(REPO_ROOT / "catalogs" / "demo_data" / "B1_glaive.json"), "format": "glaive"}]
@@ -39,10 +43,13 @@ def _catalog(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def pipeline(demo_target, tmp_path_factory):
+    from eagle_assets.serving.launch import launched_server
+
     tmp = tmp_path_factory.mktemp("e2e")
-    defs = build_definitions(_catalog(tmp), storage_root=tmp / "store")
     (tmp / "dagster_home").mkdir()
-    with dg.instance_for_test(temp_dir=str(tmp / "dagster_home")) as instance:
+    with launched_server(str(demo_target), log_dir=tmp / "server") as server, \
+            dg.instance_for_test(temp_dir=str(tmp / "dagster_home")) as instance:
+        defs = build_definitions(_catalog(tmp, server.url), storage_root=tmp / "store")
         yield defs, instance, tmp / "store" / "catalog"
 
 
