@@ -16,9 +16,10 @@ Hugging Face ``tokenizers`` byte-level BPE:
 
 Replaying the merges takes ~4 CPU seconds, in every process that loads the tokenizer (each Dagster run step, each
 test worker). The built core is therefore also kept on disk as a ``tokenizers`` JSON file (~5 MB, ~0.7 s to load),
-named by the sha256 of ``tiktoken.model``, the special tokens and this module's build rules (:data:`CORE_FORMAT`),
-in ``$EAGLE_ASSETS_TOKENIZER_CACHE`` (default ``$XDG_CACHE_HOME/eagle-assets/kimi-tokenizer``, ``~/.cache`` when
-unset; ``off`` disables it). A cache that cannot be written is skipped; one that cannot be read is rebuilt.
+named by the sha256 of ``tiktoken.model``, the special tokens, this module's build rules (:data:`CORE_FORMAT`) and the
+``tokenizers`` version, in ``$EAGLE_ASSETS_TOKENIZER_CACHE`` (default ``$XDG_CACHE_HOME/eagle-assets/kimi-tokenizer``,
+``~/.cache`` when unset; ``off`` disables it). A cache that cannot be written is skipped; one that cannot be read is
+rebuilt.
 """
 
 from __future__ import annotations
@@ -206,8 +207,12 @@ def _cached_core(model_path: str, config_path: str) -> Any:
     cache_dir = core_cache_dir()
     cache_file = None
     if cache_dir is not None:
-        key = hashlib.sha256(json.dumps({"format": CORE_FORMAT, "pat": KIMI_PAT_STR, "specials": specials},
-                                        sort_keys=True).encode() + b"\0" + raw).hexdigest()
+        import tokenizers
+
+        # The tokenizers version is in the key too: a file is only ever read by the library that wrote it.
+        key = hashlib.sha256(json.dumps({"format": CORE_FORMAT, "pat": KIMI_PAT_STR, "specials": specials,
+                                         "tokenizers": tokenizers.__version__}, sort_keys=True).encode()
+                             + b"\0" + raw).hexdigest()
         cache_file = cache_dir / f"{key[:32]}.json"
         core = _read_cached_core(cache_file, n, specials)
         if core is not None:
@@ -216,8 +221,8 @@ def _cached_core(model_path: str, config_path: str) -> Any:
     core = _build_core(ranks, specials)
     misplaced = _specials_misplaced(core, len(ranks), specials)
     if misplaced is not None:
-        text, got, want = misplaced
-        raise TokenizerLoadError(f"{model_path}: special token {text!r} landed on id {got}, expected {want}")
+        token, got, want = misplaced
+        raise TokenizerLoadError(f"{model_path}: special token {token!r} landed on id {got}, expected {want}")
     if cache_file is not None:
         _write_cached_core(cache_file, core)
     return core
