@@ -157,12 +157,6 @@ def chunks_without_qc(catalog, layout, keys: list[str]) -> dict[str, list[str]]:
             for d in catalog.chunked_datasets if d in touched}
 
 
-def datasets_complete(catalog, layout, keys: list[str]) -> list[str]:
-    """The chunked datasets with a chunk among ``keys`` and QC rows in every chunk: those ``dataset_job`` can
-    check now."""
-    return [d for d, absent in chunks_without_qc(catalog, layout, keys).items() if not absent]
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     home = _ensure_dagster_home()
     if args.catalog:

@@ -320,7 +320,7 @@ def test_every_chunk_gets_the_per_step_k8s_config(runs):
 # --- the CLI -----------------------------------------------------------------------------------------------------
 
 def test_cli_partitions_expand_a_chunked_dataset_and_refuse_unknown_keys(tmp_path):
-    from eagle_assets.cli import datasets_complete, selected_partition_keys
+    from eagle_assets.cli import chunks_without_qc, selected_partition_keys
     from eagle_assets.storage import Layout
 
     catalog = load_catalog(_catalog(tmp_path, {"A": {}, "B": {"chunks": 3}}))
@@ -331,10 +331,11 @@ def test_cli_partitions_expand_a_chunked_dataset_and_refuse_unknown_keys(tmp_pat
         with pytest.raises(CatalogError):
             selected_partition_keys(catalog, bad)
     layout = Layout(tmp_path / "store", "cat")
-    assert datasets_complete(catalog, layout, ["B.c00"]) == []
+    # an empty list = every chunk has QC rows: dataset_job can check the dataset
+    assert chunks_without_qc(catalog, layout, ["B.c00"]) == {"B": ["B.c00", "B.c01", "B.c02"]}
     for key in chunk_keys("B", 3):
         (layout.stage_dir("qc_shards", key) / "rows.parquet").touch()
-    assert datasets_complete(catalog, layout, ["B.c00"]) == ["B"] and datasets_complete(catalog, layout, ["A"]) == []
+    assert chunks_without_qc(catalog, layout, ["B.c00"]) == {"B": []} and chunks_without_qc(catalog, layout, ["A"]) == {}
     assert os.path.isdir(layout.base / "qc_shards" / "B.c02")
 
 
