@@ -20,6 +20,13 @@ if os.environ.get("PYTHONDONTWRITEBYTECODE"):
     del os.environ["PYTHONDONTWRITEBYTECODE"]
     sys.dont_write_bytecode = False
 
+# In-process pipeline tests run on ``dg.DagsterInstance.ephemeral()`` (Dagster's in-memory run and event storage),
+# not ``dg.instance_for_test`` (sqlite files): the sqlite event log opens a new engine for every event it stores,
+# 20-25% of such a test's CPU (test_orchestration_automation.py: 28 CPU-s instead of 34-40). The storages the
+# deployment uses are tested where they are the subject: sqlite under ``dagster dev`` (test_orchestration_live.py,
+# test_orchestration_instance.py), Postgres (test_orchestration_postgres.py); schedule and sensor contexts need an
+# instance ref, so test_orchestration_sensors.py keeps ``instance_for_test``.
+
 
 @pytest.fixture(scope="session")
 def demo_target() -> Path:

@@ -94,7 +94,7 @@ def materialized(tmp_path_factory):
     defs = build_definitions(path, storage_root=store)
     wanted = {dg.AssetKey(k) for k in ("draft_vocab", "training_mix", "drafter_checkpoint")}
     (tmp / "dagster_home").mkdir()
-    with dg.instance_for_test(temp_dir=str(tmp / "dagster_home")) as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         result = dg.materialize([a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and a.keys & wanted],
                                 instance=instance, resources=defs.resources, raise_on_error=False)
         logs = [e.user_message for e in instance.all_logs(result.run_id)]
@@ -165,7 +165,7 @@ def test_torchrun_with_served_features_fetches_each_row_once_and_matches_an_inli
         defs = build_definitions(path, storage_root=store)
         wanted = {dg.AssetKey(k) for k in ("draft_vocab", "training_mix", "drafter_checkpoint")}
         (tmp_path / "dagster_home").mkdir()
-        with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
+        with dg.DagsterInstance.ephemeral() as instance:
             result = dg.materialize([a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and a.keys & wanted],
                                     instance=instance, resources=defs.resources, raise_on_error=False)
             logs = [e.user_message for e in instance.all_logs(result.run_id)]

@@ -35,7 +35,7 @@ def _materialize(catalog: Path, tmp_path: Path, keys: list[str], partition: str,
     defs = build_definitions(catalog, storage_root=tmp_path / "store", **kwargs)
     assets = [a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and len(a.keys) == 1 and a.key.path[0] in keys]
     (tmp_path / "home").mkdir(exist_ok=True)
-    with dg.instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         return dg.materialize(assets, partition_key=partition, instance=instance, resources=defs.resources,
                               raise_on_error=False)
 
@@ -91,7 +91,7 @@ def test_an_empty_file_flows_through_the_partition_job_as_zero_rows(tmp_path):
     with serve_stub_in_thread(stub) as running:
         defs = build_definitions(catalog, storage_root=tmp_path / "store", sglang=SGLangServerResource(urls=[running.url]))
         (tmp_path / "home").mkdir()
-        with dg.instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
+        with dg.DagsterInstance.ephemeral() as instance:
             result = defs.resolve_job_def("partition_job").execute_in_process(
                 partition_key="E", instance=instance, raise_on_error=False)
     assert stub.stats.requests == 0

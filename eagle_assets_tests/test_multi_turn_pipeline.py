@@ -136,7 +136,7 @@ def test_all_turns_partitions_regenerate_every_turn_through_dagster(qwen, shared
     server = ScriptedQwen3Server(qwen, calls)
     store = tmp_path / "store" / "catalog"
     (tmp_path / "home").mkdir()
-    with serve_stub_in_thread(server) as running, dg.instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
+    with serve_stub_in_thread(server) as running, dg.DagsterInstance.ephemeral() as instance:
         defs = build_definitions(_catalog(tmp_path, shared_data), storage_root=tmp_path / "store",
                                  sglang=SGLangServerResource(urls=[running.url]))
         names = ("raw_prompts", "tokenized_prompts", "generations", "qc_shards", "length_report")

@@ -128,7 +128,7 @@ def pipeline(demo_target, tmp_path_factory):
                         "partitions": {"B1_glaive": b1, "B2_code": b2}, "training": base["training"]}
         catalog = root / "auto.yaml"
         (root / "home").mkdir()
-        with dg.instance_for_test(temp_dir=str(root / "home")) as instance:
+        with dg.DagsterInstance.ephemeral() as instance:
             p = Pipeline(root, catalog, catalog_dict, target, root / "store" / "auto", None, instance, {})
             _write_catalog(p)
             p.defs = build_definitions(catalog, storage_root=root / "store")

@@ -48,7 +48,7 @@ def pipeline(demo_target, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     (tmp / "dagster_home").mkdir()
     with launched_server(str(demo_target), log_dir=tmp / "server") as server, \
-            dg.instance_for_test(temp_dir=str(tmp / "dagster_home")) as instance:
+            dg.DagsterInstance.ephemeral() as instance:
         defs = build_definitions(_catalog(tmp, server.url), storage_root=tmp / "store")
         yield defs, instance, tmp / "store" / "catalog"
 

@@ -56,7 +56,7 @@ def run(tmp_path, monkeypatch):
     settings = PipelineSettings(catalog_path=str(catalog), storage_root=str(tmp_path / "store"))
     defs = dg.Definitions(assets=[source_files, shards, checkpoint], resources={"settings": settings})
     (tmp_path / "home").mkdir()
-    with dg.instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         for pk in ("a", "b"):
             instance.report_runless_asset_event(dg.AssetObservation(
                 "source_files", partition=pk, tags={"dagster/data_version": f"src-{pk}"}))
@@ -128,7 +128,7 @@ def test_an_input_never_recorded_is_listed_as_such(tmp_path):
         assert entries == {("shards", "a"): "never recorded", ("shards", "b"): "never recorded",
                            ("source_files", "a"): "never recorded", ("source_files", "b"): "never recorded"}
 
-    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         defs = dg.Definitions(assets=[source_files, shards, probe])
         graph["graph"] = defs.resolve_asset_graph()
         assert defs.resolve_implicit_global_asset_job_def().execute_in_process(
@@ -148,7 +148,7 @@ def test_without_a_repository_the_graph_is_our_definitions_whole(tmp_path):
     def probe(context: dg.AssetExecutionContext):
         seen["graph"] = full_asset_graph(context, settings)
 
-    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         assert dg.materialize([probe], instance=instance).success
     graph = seen["graph"]
     todo, ancestors = [dg.AssetKey("drafter_checkpoint")], set()

@@ -76,7 +76,7 @@ def test_qc_holds_rows_of_any_producer_to_every_rule(tmp_path, r1_dir):
     resources, layout, assets = _setup(tmp_path, r1_dir)
     tok = load_tokenizer(r1_dir)
     enc = lambda text: list(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    with dg.instance_for_test() as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         _materialize(assets, resources, "tokenized_prompts", instance)
         prompts = {r["sample_id"]: r for r in
                    pq.read_table(layout.stage_dir("tokenized_prompts", KEY) / "prompts.parquet").to_pylist()}

@@ -130,7 +130,7 @@ def test_served_acceptance_check_matches_the_local_tau_without_loading_the_targe
     defs = build_definitions(path, storage_root=store)
     wanted = {dg.AssetKey(k) for k in ("draft_vocab", "training_mix", "drafter_checkpoint")}
     (tmp_path / "home").mkdir()
-    with dg.instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
+    with dg.DagsterInstance.ephemeral() as instance:
         result = dg.materialize([a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and a.keys & wanted],
                                 instance=instance, resources=defs.resources, raise_on_error=False)
         logs = [e.user_message for e in instance.all_logs(result.run_id)]
