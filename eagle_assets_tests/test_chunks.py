@@ -217,7 +217,6 @@ def runs(demo_target, tmp_path_factory):
     stub = StubServer(vocab_size=json.loads((target / "config.json").read_text())["vocab_size"],
                       think_end_id=load_tokenizer(target).convert_tokens_to_ids("</think>"))
     out: dict = {"root": root}
-    (root / "home").mkdir()
     with serve_stub_in_thread(stub) as running, dg.DagsterInstance.ephemeral() as instance:
         whole = build_definitions(_pipeline_catalog(root, "whole", 1, target, running.url), root / "store")
         chunked = build_definitions(_pipeline_catalog(root, "chunked", 3, target, running.url), root / "store")
@@ -359,7 +358,6 @@ def test_an_empty_chunk_says_so_and_its_dataset_still_has_rows(tmp_path):
     empty = next(k for k in catalog.partition_keys if catalog.resolve(k)[1] not in {chunk_of(s, 40) for s in sids})
     defs = build_definitions(catalog_path, storage_root=tmp_path / "store")
     raw = next(a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and a.keys == {dg.AssetKey("raw_prompts")})
-    (tmp_path / "home").mkdir()
     with dg.DagsterInstance.ephemeral() as instance:
         result = dg.materialize([raw], partition_key=empty, instance=instance, resources=defs.resources)
     check = _checks(result)[("raw_prompts", "prompts_available")]

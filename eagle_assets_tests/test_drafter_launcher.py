@@ -93,7 +93,6 @@ def materialized(tmp_path_factory):
     write_qc_partition(store / "catalog" / "qc_shards" / "P1", ROWS, seed=1)
     defs = build_definitions(path, storage_root=store)
     wanted = {dg.AssetKey(k) for k in ("draft_vocab", "training_mix", "drafter_checkpoint")}
-    (tmp / "dagster_home").mkdir()
     with dg.DagsterInstance.ephemeral() as instance:
         result = dg.materialize([a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and a.keys & wanted],
                                 instance=instance, resources=defs.resources, raise_on_error=False)
@@ -164,7 +163,6 @@ def test_torchrun_with_served_features_fetches_each_row_once_and_matches_an_inli
         write_qc_partition(store / "catalog" / "qc_shards" / "P1", ROWS, seed=2)
         defs = build_definitions(path, storage_root=store)
         wanted = {dg.AssetKey(k) for k in ("draft_vocab", "training_mix", "drafter_checkpoint")}
-        (tmp_path / "dagster_home").mkdir()
         with dg.DagsterInstance.ephemeral() as instance:
             result = dg.materialize([a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and a.keys & wanted],
                                     instance=instance, resources=defs.resources, raise_on_error=False)

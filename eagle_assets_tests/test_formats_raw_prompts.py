@@ -34,7 +34,6 @@ def _catalog(tmp_path: Path, partitions: dict, model: str = "demo") -> Path:
 def _materialize(catalog: Path, tmp_path: Path, keys: list[str], partition: str, **kwargs):
     defs = build_definitions(catalog, storage_root=tmp_path / "store", **kwargs)
     assets = [a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and len(a.keys) == 1 and a.key.path[0] in keys]
-    (tmp_path / "home").mkdir(exist_ok=True)
     with dg.DagsterInstance.ephemeral() as instance:
         return dg.materialize(assets, partition_key=partition, instance=instance, resources=defs.resources,
                               raise_on_error=False)
@@ -90,7 +89,6 @@ def test_an_empty_file_flows_through_the_partition_job_as_zero_rows(tmp_path):
     stub = StubServer(vocab_size=151936)
     with serve_stub_in_thread(stub) as running:
         defs = build_definitions(catalog, storage_root=tmp_path / "store", sglang=SGLangServerResource(urls=[running.url]))
-        (tmp_path / "home").mkdir()
         with dg.DagsterInstance.ephemeral() as instance:
             result = defs.resolve_job_def("partition_job").execute_in_process(
                 partition_key="E", instance=instance, raise_on_error=False)

@@ -298,7 +298,6 @@ def test_generations_asset_fails_fast_with_a_clear_description_and_keeps_rows(de
     path.write_text(yaml.safe_dump(catalog))
     vocab = json.loads((demo_target / "config.json").read_text())["vocab_size"]
     stub = StubServer(vocab_size=vocab, truncate_share=1.0)  # every reply cut at max_new_tokens
-    (tmp_path / "home").mkdir()
     with serve_stub_in_thread(stub) as running, dg.DagsterInstance.ephemeral() as instance:
         defs = build_definitions(path, storage_root=tmp_path / "store", sglang=SGLangServerResource(urls=[running.url]))
         assets = [a for a in defs.assets

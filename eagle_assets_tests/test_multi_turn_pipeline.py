@@ -135,7 +135,6 @@ def test_all_turns_partitions_regenerate_every_turn_through_dagster(qwen, shared
     calls = _recorded_calls(shared_data / "llama_factory/glaive_toolcall_en_demo.json", "sharegpt")
     server = ScriptedQwen3Server(qwen, calls)
     store = tmp_path / "store" / "catalog"
-    (tmp_path / "home").mkdir()
     with serve_stub_in_thread(server) as running, dg.DagsterInstance.ephemeral() as instance:
         defs = build_definitions(_catalog(tmp_path, shared_data), storage_root=tmp_path / "store",
                                  sglang=SGLangServerResource(urls=[running.url]))

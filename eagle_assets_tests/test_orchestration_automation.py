@@ -127,7 +127,6 @@ def pipeline(demo_target, tmp_path_factory):
         catalog_dict = {"target": {"model": str(target)}, "server": {"url": running.url, "concurrency": 4},
                         "partitions": {"B1_glaive": b1, "B2_code": b2}, "training": base["training"]}
         catalog = root / "auto.yaml"
-        (root / "home").mkdir()
         with dg.DagsterInstance.ephemeral() as instance:
             p = Pipeline(root, catalog, catalog_dict, target, root / "store" / "auto", None, instance, {})
             _write_catalog(p)

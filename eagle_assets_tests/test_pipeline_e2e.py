@@ -46,7 +46,6 @@ def pipeline(demo_target, tmp_path_factory):
     from eagle_assets.serving.launch import launched_server
 
     tmp = tmp_path_factory.mktemp("e2e")
-    (tmp / "dagster_home").mkdir()
     with launched_server(str(demo_target), log_dir=tmp / "server") as server, \
             dg.DagsterInstance.ephemeral() as instance:
         defs = build_definitions(_catalog(tmp, server.url), storage_root=tmp / "store")

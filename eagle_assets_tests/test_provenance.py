@@ -55,7 +55,6 @@ def run(tmp_path, monkeypatch):
     }))
     settings = PipelineSettings(catalog_path=str(catalog), storage_root=str(tmp_path / "store"))
     defs = dg.Definitions(assets=[source_files, shards, checkpoint], resources={"settings": settings})
-    (tmp_path / "home").mkdir()
     with dg.DagsterInstance.ephemeral() as instance:
         for pk in ("a", "b"):
             instance.report_runless_asset_event(dg.AssetObservation(

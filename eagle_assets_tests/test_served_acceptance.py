@@ -129,7 +129,6 @@ def test_served_acceptance_check_matches_the_local_tau_without_loading_the_targe
     before = _post(served.url, "/server_info")["engine"]["requests_submitted"]
     defs = build_definitions(path, storage_root=store)
     wanted = {dg.AssetKey(k) for k in ("draft_vocab", "training_mix", "drafter_checkpoint")}
-    (tmp_path / "home").mkdir()
     with dg.DagsterInstance.ephemeral() as instance:
         result = dg.materialize([a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and a.keys & wanted],
                                 instance=instance, resources=defs.resources, raise_on_error=False)

@@ -251,7 +251,6 @@ def test_drafter_checkpoint_asset_trains_on_served_features(tmp_path):
     _qc_partition(store / "served" / "qc_shards" / "P1", 16, vocab, seed=1)
     defs = build_definitions(path, storage_root=store)
     wanted = {dg.AssetKey(k) for k in ("draft_vocab", "training_mix", "drafter_checkpoint")}
-    (tmp_path / "home").mkdir()
     with dg.DagsterInstance.ephemeral() as instance:
         result = dg.materialize([a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and a.keys & wanted],
                                 instance=instance, resources=defs.resources, raise_on_error=False)

@@ -123,7 +123,6 @@ def exported(tokenizer, tmp_path_factory):
     store = tmp / "store" / "catalog"
     _write_qc(store, tok)
     defs = build_definitions(_catalog(tmp), storage_root=tmp / "store")
-    (tmp / "dagster_home").mkdir()
     with dg.DagsterInstance.ephemeral() as instance:
         result = _materialize(defs, instance, ("training_mix", "speculators_export", "specforge_export"),
                               {"ops": {"speculators_export": {"config": {"rows_per_shard": 4}}}})
