@@ -31,7 +31,7 @@ if os.environ.get("PYTHONDONTWRITEBYTECODE"):
 @pytest.fixture(scope="session")
 def demo_target() -> Path:
     """Directory of the embedded demo target (a real tiny Qwen3 + tokenizer), built and gated on first use (about
-    two and a half minutes on an idle 2-core machine), then reused from the cache by every later session. The one fixture
+    three minutes on an idle 2-core machine), then reused from the cache by every later session. The one fixture
     every test that needs the default target takes, so a session builds it at most once; tests of the build itself
     use small recipes (``test_demo_build.py``)."""
     from eagle_assets.demo.build import build_demo_target

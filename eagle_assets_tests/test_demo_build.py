@@ -71,7 +71,8 @@ def test_recipe_change_changes_path(tiny_target):
 
 def test_rebuild_gives_the_same_bytes_whatever_workers_threads_and_load(tiny_target, tmp_path, monkeypatch):
     """A directory without a matching recipe.json (crashed copy, stale hand edit) is never trusted: it is rebuilt,
-    here in ONE worker process (the fixture used two), with the caller asking for 2 threads and another process
+    here in ONE worker process (the fixture used two), with the caller asking for 2 threads and for MKL's and ATen's
+    AVX-512 kernels (on a CPU that has them, each changes the bytes when a worker takes it) and another process
     keeping a core busy; the model bytes equal the fixture's."""
     _, first = tiny_target
     stale = demo_target_path(tmp_path, TINY)
@@ -79,6 +80,8 @@ def test_rebuild_gives_the_same_bytes_whatever_workers_threads_and_load(tiny_tar
     (stale / "recipe.json").write_text('{"recipe_hash": "something else"}')
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     monkeypatch.setenv("MKL_NUM_THREADS", "2")
+    monkeypatch.setenv("MKL_CBWR", "AVX512")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
     # niced: it still takes a core whenever one is free, without slowing the rest of a parallel test session
     busy = subprocess.Popen([sys.executable, "-c", "import os; os.nice(19)\nwhile True: pass"])
     try:

@@ -11,7 +11,7 @@ processes pinned to one thread each (fixed, not time-boxed, and independent of l
 weights' bytes depend only on the recipe) -> the quality gate: greedy replies to every committed demo prompt, as
 the embedded server generates them; a model with a structure rate under 98% for a kind, or any reply at the
 default catalog's ``max_new_tokens``, is kept aside as ``<hash>.rejected`` and the build raises
-:class:`DemoTargetRejected`. On an idle 2-core machine it takes about two and a half minutes (two workers in parallel);
+:class:`DemoTargetRejected`. On an idle 2-core machine it takes about three minutes (two workers in parallel);
 with one core, twice the training time, same bytes.
 
 A build whose weights equal (sha256) those of a build whose gate ran, with the same gate inputs, takes that
@@ -63,7 +63,7 @@ class DemoRecipe:
     generation; 4 passed it with every committed prompt well-formed and none at a cap. ``vocab_multiple`` pads ``config.vocab_size`` past ``len(tokenizer)`` as real checkpoints do (Qwen3: 151,936
     embedding rows for 151,669 tokens), so consumers must not assume the two are equal.
 
-    Training (about 800 AdamW steps over 1,700 transcripts, 642k tokens; about 125 CPU seconds in each of two
+    Training (about 800 AdamW steps over 1,700 transcripts, 642k tokens; about 130 CPU seconds in each of two
     worker processes, see :mod:`eagle_assets.demo.trainer`): ``train_counts`` fresh transcripts per kind, each seen once, in
     length-sorted batches of at most ``batch_tokens`` padded tokens (two shards of half that); linear warmup, then
     cosine decay to ``min_lr_ratio * lr``. The loss covers prompt tokens at ``prompt_loss_weight`` (prompts are
@@ -595,12 +595,12 @@ def _gate_set(tokenizer, recipe: DemoRecipe):
 
 
 def _worker_env() -> dict[str, str]:
-    """The workers' environment: one thread everywhere and the AVX2 code paths of MKL, ATen and oneDNN (see
-    :mod:`eagle_assets.demo.trainer`), whatever the caller's settings."""
+    """The workers' environment: one thread everywhere, MKL's vendor-neutral ``COMPATIBLE`` branch and the AVX2
+    code paths of ATen and oneDNN (see :mod:`eagle_assets.demo.trainer`), whatever the caller's settings."""
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = "1"
-    env.update(MKL_CBWR="AVX2", ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2", MKL_DYNAMIC="FALSE",
+    env.update(MKL_CBWR="COMPATIBLE", ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2", MKL_DYNAMIC="FALSE",
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     return env
 

@@ -6,9 +6,18 @@ whatever the machine's load, the caller's thread settings, or how many cores the
 - Every worker runs torch with ONE intra-op and one inter-op thread and ``torch.use_deterministic_algorithms``:
   a multi-threaded kernel splits its reductions by thread count, and a thread count that differs (another build,
   a busy machine, ``OMP_NUM_THREADS``) rounds differently; a tiny model trained from those weights can then tip
-  into loops on some prompts (issue 12). The build starts workers with ``MKL_CBWR=AVX2`` (MKL's conditional
-  numerical reproducibility, "same results on any processor with AVX2"), ``ATEN_CPU_CAPABILITY=avx2`` and
-  ``ONEDNN_MAX_CPU_ISA=AVX2`` so that machines with wider vector units take the same kernels.
+  into loops on some prompts (issue 12).
+- The build starts workers with ``MKL_CBWR=COMPATIBLE``, ``ATEN_CPU_CAPABILITY=avx2`` and
+  ``ONEDNN_MAX_CPU_ISA=AVX2``, so that every x86-64 machine with AVX2 takes the same kernels. ``COMPATIBLE`` is
+  the one branch of MKL's conditional numerical reproducibility that holds across processor vendors: the ISA
+  branches (``AVX2``, ``AVX512``) are "available only for Intel processors", elsewhere MKL silently takes its
+  ``AUTO`` dispatch (oneMKL Developer Guide, "Specifying Code Branches"). With ``MKL_CBWR=AVX2`` an Intel Xeon
+  with AVX-512 and AMX built other weights than the machine that recorded ``gate_reference.json`` from the same
+  rows and step plan, and they failed the gate (tool_result 48/50). The price: MKL's SSE2 kernels take 2.7x the
+  time of its AVX2 ones at the trainer's matrix shapes, about 1.4x the training time. ATen's AVX2 kernels use
+  exact IEEE operations only (no ``rcpps``/``rsqrtps`` approximations), so they give the same bits on any
+  vendor's AVX2; on a CPU without AVX2, ATen falls back to its default kernels, the bytes differ, and the gate
+  runs instead of taking the recorded verdict.
 - The gradient of a step is always the sum of exactly :data:`SHARDS` shard gradients, each computed on its own
   fixed rows (the plan in ``job.json``; nothing depends on timing). With two worker processes each computes one
   shard and gloo's all-reduce adds them (with two operands a sum has one rounding and ``a + b == b + a``); with
