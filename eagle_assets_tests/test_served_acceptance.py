@@ -8,8 +8,10 @@ What is real: an 8-layer variant of the embedded demo target (conftest ``target8
 apply) behind our aiohttp server in SGLang's aux-capture mode (in a thread of this process, started before the target loaders are made to raise), HTTP through the serving client, a real Dagster
 instance materializing ``draft_vocab``, ``training_mix`` and ``drafter_checkpoint``, Parquet QC shards. The QC rows
 are written directly (the partition pipeline is tested elsewhere): chat prompts plus 24 tokens the demo target
-sampled at temperature 0.8 (seeded), so rows leave the greedy path and the walk must ask the server for the greedy
-token after prefixes off the row (the exact re-runs).
+sampled at temperature 1 (seeded), so rows leave the greedy path and the walk must ask the server for the greedy
+token after prefixes off the row (the exact re-runs). At temperature 0.8 a demo target confident enough on these
+prompts left the rows so rarely that no accepted draft left one (no re-run, nothing of that path tested); at 1
+every one of four seed sets tried gave re-runs.
 
 Tolerance, and why: tau is a ratio of counts (accepted drafts per verification). The server computes the target in
 float64, the local path in float32; both feed the same drafter, whose drafts and the target's greedy ids are
@@ -79,7 +81,7 @@ def _qc_partition(directory, target8, url: str) -> None:
         text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
         prompt = list(tok(text, add_special_tokens=False)["input_ids"])
         out = _post(url, "/generate", {"input_ids": prompt, "sampling_params": {
-            "max_new_tokens": NEW_TOKENS, "temperature": 0.8, "sampling_seed": i, "ignore_eos": True}})["output_ids"]
+            "max_new_tokens": NEW_TOKENS, "temperature": 1.0, "sampling_seed": i, "ignore_eos": True}})["output_ids"]
         ids = np.array(prompt + out, dtype=np.int32)
         records.append({"sample_id": f"s{i:03d}", "input_ids": ids.tolist(),
                         "loss_mask": [0] * len(prompt) + [1] * NEW_TOKENS, "n_prompt_tokens": len(prompt)})
