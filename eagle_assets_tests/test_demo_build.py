@@ -140,6 +140,14 @@ def test_gate_rejects_a_model_that_loops_and_says_what_to_do(gated_rejection):
     for kind in ("tool", "code", "math", "reasoning"):
         assert f"{kind}: structure ok 0/1" in message and f"{kind}: 1 of 1 replies reach the" in message
     assert "point target.model" in message and str(rejection.path) in message
+    # TINY's bytes are not in the shipped gate reference: the message names the machine's arithmetic as the
+    # possible cause; for recorded bytes that failed, it is the recipe.
+    assert "are not the ones recorded in eagle_assets/demo/gate_reference.json" in message and "lscpu" in message
+    from eagle_assets.demo import gate_reference
+    from eagle_assets.demo.build import _rejection_cause
+
+    recorded = next(iter(gate_reference.load_references()))
+    assert "a recipe problem, not your machine's" in _rejection_cause({"weights_sha256": recorded})
     math = json.loads((rejection.path / "recipe.json").read_text())["gate"]["report"]["math"]
     assert (math["n"], math["ok"], math["at_cap"], math["cap"]) == (1, 0, 1, default_catalog_caps()["math"])
     # The verdict is kept: asking again fails at once instead of training the same weights again.

@@ -83,6 +83,17 @@ class DemoRecipe:
     follow-ups fixed math (50/50) but left one follow-up reply of 26 with two ``</think>``; so 420 math and the
     full 300 + 200, about 13% more tokens than the single-turn recipe's 717 steps.
 
+    Other arithmetic (issue 12): the bytes are the same on every x86-64 CPU with AVX2
+    (:mod:`eagle_assets.demo.trainer`); any other arithmetic gives other weights, and the gate decides on those. Built with the workers' kernels
+    swapped, as another machine's arithmetic would do (measured 2026-12-02 on one Xeon): MKL's
+    ``COMPATIBLE`` branch and ATen's AVX2 (the build): 276/276 well-formed; MKL's AVX2 branch: tool_result 48/50,
+    rejected; MKL's and ATen's AVX-512: follow_up 25/26, rejected; the machine that recorded the earlier reference
+    (MKL's AVX2 branch there): 276/276. Two richer mixes did not make it robust: 400 chains + 300 follow-ups at
+    reply weight 3 (12% more tokens) passed ``COMPATIBLE`` (reasoning 49/50) and AVX2 but not AVX-512 (follow_up
+    25/26); 400 + 500 failed math under ``COMPATIBLE`` (42/50). So about half of foreign arithmetic misses the gate
+    by one or two replies: outside x86-64 with AVX2 (an ARM laptop) the build may be rejected, and its message says
+    why and what to do.
+
     Why 1024-token batches: with the same transcripts, 2048-token batches (365 steps) left the model one or two
     structure failures short of the gate per 50 reasoning prompts, and 1.5 times the transcripts at 2048 tokens
     (547 steps, a third more compute) passed it; 1024-token batches (717 steps, the least compute of the three)
@@ -179,12 +190,26 @@ def _rejection(path: Path) -> DemoTargetRejected:
         f"the embedded demo target built from recipe {meta['recipe_hash'][:16]} failed its quality gate on the "
         f"committed demo prompts (catalogs/demo_data, greedy, the default catalog's max_new_tokens):\n  {lines}\n"
         "A partition served by this model would fail its structure or truncation checks, so it is not used; "
-        f"the rejected build is kept in {path} (recipe.json has the figures). The build is "
-        "deterministic for a recipe on x86-64 CPUs with torch 2.13.0, so this is a recipe problem, not your "
-        "machine's: if you changed eagle_assets/demo/ or DemoRecipe, revert or strengthen the change (more "
-        "train_counts, see `python -m eagle_assets.demo.evaluate --model-dir DIR`); otherwise report it with "
-        f"that recipe.json. To run the pipeline now, point target.model in the catalog at a real model directory. "
+        f"the rejected build is kept in {path} (recipe.json has the figures). {_rejection_cause(meta)} "
+        "To run the pipeline now, point target.model in the catalog at a real model directory. "
         f"Delete {path} to retry the build.", path, gate["report"])
+
+
+def _rejection_cause(meta: dict[str, Any]) -> str:
+    """What a gate failure means: a recipe problem when these bytes are the recorded ones, else this machine's
+    arithmetic (the bytes are reproducible on x86-64 CPUs with AVX2, see :mod:`eagle_assets.demo.trainer`)."""
+    sha = meta.get("weights_sha256", "")
+    change = ("if you changed eagle_assets/demo/ or DemoRecipe, revert or strengthen the change (more train_counts, "
+              "see `python -m eagle_assets.demo.evaluate --model-dir DIR`)")
+    if sha in gate_reference.load_references():
+        return (f"These are the weights recorded in eagle_assets/demo/gate_reference.json (sha256 {sha[:12]}...), "
+                f"so this is a recipe problem, not your machine's: {change}; otherwise report it with that "
+                "recipe.json.")
+    return (f"These weights (sha256 {sha[:12]}...) are not the ones recorded in eagle_assets/demo/"
+            "gate_reference.json: the build gives the same bytes on x86-64 CPUs with AVX2 under torch 2.13.0, and "
+            "this machine's arithmetic differs (another CPU, an ARM laptop, another torch or MKL), which gives other "
+            f"weights that can fall on the wrong side of the gate. {change[0].upper()}{change[1:]}; otherwise report "
+            "it with that recipe.json and the output of `lscpu`.")
 
 
 def build_demo_target(cache_root: Path | None = None, force: bool = False, recipe: DemoRecipe | None = None,
