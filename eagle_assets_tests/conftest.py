@@ -39,6 +39,21 @@ def demo_target() -> Path:
     return Path(build_demo_target())
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _demo_target_before_the_first_test(request):
+    """A session that will need the demo target builds it before any test runs, in every worker (one builds, the
+    others wait on the build's lock). On a fresh clone the build and then ``test_orchestration_live.py``, which
+    waits for it, are the session's critical path (about 3 + 3 minutes); tests that do not need the target, run
+    during the build, only take cores from it and lengthen that path, while after it they fill the minutes the live
+    module spends waiting for its daemon. A failed build is left to the tests that take ``demo_target``: they
+    error with its message, the rest run."""
+    if any("demo_target" in item.fixturenames for item in request.session.items):
+        try:
+            request.getfixturevalue("demo_target")
+        except Exception:  # noqa: BLE001 -- reported by each test that takes the fixture
+            pass
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
