@@ -84,9 +84,9 @@ class DemoRecipe:
     full 300 + 200, about 13% more tokens than the single-turn recipe's 717 steps.
 
     Other arithmetic (issue 12): the bytes are the same on every x86-64 CPU with AVX2
-    (:mod:`eagle_assets.demo.trainer`); any other arithmetic gives other weights, and the gate decides on those. Built with the workers' kernels
-    swapped, as another machine's arithmetic would do (measured 2026-12-02 on one Xeon): MKL's
-    ``COMPATIBLE`` branch and ATen's AVX2 (the build): 276/276 well-formed; MKL's AVX2 branch: tool_result 48/50,
+    (:mod:`eagle_assets.demo.trainer`); any other arithmetic gives other weights, and the gate decides on those.
+    Built with the workers' kernels swapped, as another machine's arithmetic would do (measured 2026-12-02 on one
+    Xeon): MKL's ``COMPATIBLE`` branch and ATen's AVX2 (the build): 276/276 well-formed; MKL's AVX2 branch: tool_result 48/50,
     rejected; MKL's and ATen's AVX-512: follow_up 25/26, rejected; the machine that recorded the earlier reference
     (MKL's AVX2 branch there): 276/276. Two richer mixes did not make it robust: 400 chains + 300 follow-ups at
     reply weight 3 (12% more tokens) passed ``COMPATIBLE`` (reasoning 49/50) and AVX2 but not AVX-512 (follow_up

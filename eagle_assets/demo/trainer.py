@@ -14,10 +14,10 @@ whatever the machine's load, the caller's thread settings, or how many cores the
   ``AUTO`` dispatch (oneMKL Developer Guide, "Specifying Code Branches"). With ``MKL_CBWR=AVX2`` an Intel Xeon
   with AVX-512 and AMX built other weights than the machine that recorded ``gate_reference.json`` from the same
   rows and step plan, and they failed the gate (tool_result 48/50). The price: MKL's SSE2 kernels take 2.7x the
-  time of its AVX2 ones at the trainer's matrix shapes, about 1.4x the training time. ATen's AVX2 kernels use
-  exact IEEE operations only (no ``rcpps``/``rsqrtps`` approximations), so they give the same bits on any
-  vendor's AVX2; on a CPU without AVX2, ATen falls back to its default kernels, the bytes differ, and the gate
-  runs instead of taking the recorded verdict.
+  time of its AVX2 ones at the trainer's matrix shapes, and training takes 1.8x as long (126-137 CPU s per
+  worker against 70). ATen's AVX2 kernels use exact IEEE operations only (no ``rcpps``/``rsqrtps``
+  approximations), so they give the same bits on any vendor's AVX2; on a CPU without AVX2, ATen falls back to its
+  default kernels, the bytes differ, and the gate runs instead of taking the recorded verdict.
 - The gradient of a step is always the sum of exactly :data:`SHARDS` shard gradients, each computed on its own
   fixed rows (the plan in ``job.json``; nothing depends on timing). With two worker processes each computes one
   shard and gloo's all-reduce adds them (with two operands a sum has one rounding and ``a + b == b + a``); with
