@@ -1,6 +1,6 @@
 """Client throughput benchmark: our asyncio ``GenerateClient`` against a thread-pool client, side by side.
 
-Both clients talk to ``eagle_assets.serving.stub_server`` running in SEPARATE processes (so the server never shares
+Both clients talk to ``eagle_assets_tests.servers.stub_server`` running in SEPARATE processes (so the server never shares
 the client's event loop or GIL), send the same SGLang-native bodies and validate every reply with the same
 ``parse_reply`` (ids are ints inside the vocab, ``len(output_ids) == completion_tokens``, finish reason, rid).
 
@@ -47,7 +47,7 @@ VOCAB = 32000
 
 def start_stub(latency_ms: float, output_tokens: int) -> tuple[subprocess.Popen, str]:
     """Start a stub server process; return (process, base URL) once it prints its ready line."""
-    cmd = [sys.executable, "-m", "eagle_assets.serving.stub_server", "--port", "0", "--latency-ms", str(latency_ms),
+    cmd = [sys.executable, "-m", "eagle_assets_tests.servers.stub_server", "--port", "0", "--latency-ms", str(latency_ms),
            "--output-tokens", str(output_tokens), "--vocab-size", str(VOCAB), "--exit-with-parent"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True,
                             cwd=Path(__file__).resolve().parents[1])

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     from eagle_assets.drafter.recipe import config_from_catalog
     from eagle_assets.drafter.train import train_drafter
     from eagle_assets.drafter.vocab import draft_vocab_from_arrays
-    from eagle_assets.storage import default_storage_root
+    from eagle_assets.storage.shards import default_storage_root
 
     root = (args.storage_root or default_storage_root()).resolve()
     settings = PipelineSettings(catalog_path=str(args.catalog.resolve()), storage_root=str(root))

@@ -6,7 +6,7 @@ Issue "Token structure and data quality", item 7. Writes 1,000,000 synthetic QC 
 (count, mean, median, p10, p90, share under 300, share over 1,000, count at the cap, share truncated; for the total,
 reasoning and answer spans of every partition) three ways from the same files:
 
-  duckdb     ``eagle_assets.quality.lengths.length_report`` as the pipeline runs it (DuckDB's default threads)
+  duckdb     ``eagle_assets.qc.lengths.length_report`` as the pipeline runs it (DuckDB's default threads)
   duckdb-1t  the same with DuckDB limited to one thread
   pandas     ``pd.read_parquet`` of the needed columns + ``groupby`` aggregates (linear quantiles, as
              DuckDB's ``quantile_cont``), single-threaded as pandas is
@@ -36,7 +36,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from eagle_assets.assets.qc import ROWS_SCHEMA  # noqa: E402
-from eagle_assets.quality.lengths import REPORT_COLUMNS, length_report  # noqa: E402
+from eagle_assets.qc.lengths import REPORT_COLUMNS, length_report  # noqa: E402
 
 # (partition, median reasoning tokens, median answer tokens, max_new_tokens): short tool calls to long chains.
 PARTITIONS = (("B1_glaive", 40, 60, 1024), ("B2_opencodeinstruct", 300, 250, 2048),

@@ -1,10 +1,10 @@
 """Rendering throughput of the ``tokenized_prompts`` stage (issue 16, item 4: >= 2,000 prompts/s on 2 cores).
 
-Writes N synthetic ShareGPT-like raw prompts (``formats.rows.RAW_SCHEMA``: one to three user turns, a system prompt
+Writes N synthetic ShareGPT-like raw prompts (``raw_prompts.rows.RAW_SCHEMA``: one to three user turns, a system prompt
 on 1 in 4, a weather tool on 1 in 6, a control-token smuggler on 1 in 500; the last user turn lognormal around
 150 words (40-600, as ``bench_scale.write_sharegpt``), earlier turns around 30-40 words) and renders
 them with the real Qwen3 tokenizer (/work/shared/data/tokenizers/qwen3-0.6b; EAGLE_SHARED_DATA overrides
-/work/shared/data) through ``tokenize_pass.tokenize_partition`` (the body of the asset), once per ``--workers``
+/work/shared/data) through ``tokenized_prompts.write.tokenize_partition`` (the body of the asset), once per ``--workers``
 value, and, on ``--reference`` of the records, through the per-record reference ``render.render_prompt`` (one
 ``apply_chat_template`` + one encode per call). Prints prompts/s, CPU seconds per 1,000 prompts (this process and
 its workers: ``resource.getrusage``), the ratio to the reference, the load average, and checks that every run
@@ -50,7 +50,7 @@ WORDS = np.array(["the", "model", "explain", "data", "function", "value", "pytho
 def write_raw(path: Path, n: int, seed: int = 0, layout: str = "mixed") -> None:
     """``n`` synthetic raw prompts (RAW_SCHEMA) in record batches of 4,096; ``layout`` ``sharegpt``: one user turn
     only (``bench_scale.write_sharegpt``'s conversations, the partition job's bench)."""
-    from eagle_assets.formats.rows import RAW_SCHEMA
+    from eagle_assets.raw_prompts.rows import RAW_SCHEMA
 
     rng = np.random.default_rng(seed)
     writer = pq.ParquetWriter(path, RAW_SCHEMA, compression="zstd")
@@ -98,11 +98,11 @@ def main() -> int:
                          "over the same records in a child process, as a ratio")
     args = ap.parse_args()
 
-    from eagle_assets.formats.rows import RAW_SCHEMA
+    from eagle_assets.raw_prompts.rows import RAW_SCHEMA
     from eagle_assets.target_model.profile import detect_profile
     from eagle_assets.target_model.render import RenderError, render_prompt
     from eagle_assets.target_model.tokenizer import load_tokenizer
-    from eagle_assets.tokenize_pass import tokenize_partition
+    from eagle_assets.tokenized_prompts.write import tokenize_partition
 
     if not QWEN.is_dir():
         print(f"{QWEN} is absent: set EAGLE_SHARED_DATA to the shared data directory")
@@ -136,7 +136,7 @@ def main() -> int:
             code = ("import sys, json, time, resource; sys.path.insert(0, sys.argv[1]); from pathlib import Path\n"
                     "from eagle_assets.target_model.profile import detect_profile\n"
                     "from eagle_assets.target_model.tokenizer import load_tokenizer\n"
-                    "from eagle_assets.tokenize_pass import tokenize_partition\n"
+                    "from eagle_assets.tokenized_prompts.write import tokenize_partition\n"
                     "tok = load_tokenizer(sys.argv[2]); prof = detect_profile(tok, None)\n"
                     "ru = lambda: sum(getattr(resource.getrusage(w), a) for w in (resource.RUSAGE_SELF, "
                     "resource.RUSAGE_CHILDREN) for a in ('ru_utime', 'ru_stime'))\n"

@@ -7,7 +7,7 @@ Four modes, all on synthetic ShareGPT-like data with the real Qwen3 tokenizer
          ``segment_batch`` against the per-row reference ``segment_row`` (with the ``to_pylist`` it needs) over the
          same rows, and a check that both give the same drop reason, flags and spans on every row. Target: the
          batch version >= 20 M tokens/s.
-  qc     ``quality.qc_pass.qc_partition`` (the body of the ``qc_shards`` asset) over N conversations written as
+  qc     ``qc.qc_pass.qc_partition`` (the body of the ``qc_shards`` asset) over N conversations written as
          generations shards: seconds, output tokens/s, peak RSS of a fresh child process, QC shards written. Beside
          it, with ``--baseline DIR`` (a ``git worktree`` of the code before issue 16, e.g.
          ``git worktree add /tmp/base 1ecee89``), the same rows through that tree's per-row QC loop (its
@@ -76,7 +76,7 @@ def qwen_setup():
 
 def synthetic(n: int, profile, control, vocab: int, seed: int = 0, start: int = 0):
     """(generations table, prompts table) of ``n`` conversations (GENERATION_SCHEMA / tokenized_prompts columns)."""
-    from eagle_assets.generation import GENERATION_SCHEMA
+    from eagle_assets.generations.run import GENERATION_SCHEMA
 
     rng = np.random.default_rng(seed + start)
     special = np.array(sorted(control), dtype=np.int64)
@@ -126,8 +126,8 @@ def synthetic(n: int, profile, control, vocab: int, seed: int = 0, start: int = 
 
 
 def micro(rows: int) -> int:
-    from eagle_assets.quality.segment import segment_row
-    from eagle_assets.quality.segment_batch import segment_batch
+    from eagle_assets.structure.segment import segment_row
+    from eagle_assets.qc.segment_batch import segment_batch
 
     try:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -192,7 +192,7 @@ blank = blank_token_ids(tok)
 gen_shards = sorted(Path(gen_dir).glob("shard-*.parquet"))
 t0 = time.perf_counter()
 if mode == "new":
-    from eagle_assets.quality.qc_pass import qc_partition
+    from eagle_assets.qc.qc_pass import qc_partition
     from eagle_assets.target_model.profile import target_vocab_size
     from eagle_assets.target_model.render import control_token_ids
     prompts = pq.read_table(prompts_path)
@@ -201,7 +201,7 @@ if mode == "new":
                      max_new_tokens=10240)
     kept, shards, tokens = s.kept, len(s.shards), s.output_tokens
 else:  # the loop of assets/qc.py at the baseline commit, with that tree's segment_output (fewer rules then)
-    from eagle_assets.quality.segment import segment_output
+    from eagle_assets.structure.segment import segment_output
     prompts = {r["sample_id"]: r for r in pq.read_table(prompts_path).to_pylist()}
     gens = pa.concat_tables([pq.read_table(p) for p in gen_shards])
     kept_rows, all_rows, tokens = [], [], 0
@@ -319,7 +319,7 @@ def start_shaped_stub(concurrency: int) -> tuple[subprocess.Popen, str]:
     from eagle_assets.serving.launch import READY_PREFIX
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eagle_assets.serving.stub_server", "--port", "0", "--latency-ms", "0",
+        [sys.executable, "-m", "eagle_assets_tests.servers.stub_server", "--port", "0", "--latency-ms", "0",
          "--vocab-size", str(QWEN3_FIRST_SPECIAL), "--shape", QWEN3_SHAPE, "--exit-with-parent"],
         stdout=subprocess.PIPE, text=True, start_new_session=True, cwd=Path(__file__).resolve().parents[1])
     line = proc.stdout.readline()
@@ -515,9 +515,9 @@ def client_stage(requests: int, concurrency: int) -> int:
     one-core ceiling (1e6 / client CPU us per request: what it sustains on a free core)."""
     from eagle_assets.assets.qc import blank_token_ids
     from eagle_assets.catalog import LiveSpec, Thresholds
-    from eagle_assets.generation import run_generation
-    from eagle_assets.prompts_file import PromptsFile
-    from eagle_assets.quality.live import LiveQualityMonitor
+    from eagle_assets.generations.run import run_generation
+    from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
+    from eagle_assets.qc.live import LiveQualityMonitor
     from eagle_assets.serving.client import GenerateClient
     from eagle_assets.serving.protocol import SamplingParams
 

@@ -34,9 +34,9 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
 from eagle_assets.catalog import load_catalog  # noqa: E402
-from eagle_assets.drafter.experiment import train_and_measure  # noqa: E402
+from drafter_experiment import train_and_measure  # noqa: E402
 from eagle_assets.drafter.mix import build_mix, mix_table_markdown  # noqa: E402
-from eagle_assets.storage import default_storage_root  # noqa: E402
+from eagle_assets.storage.shards import default_storage_root  # noqa: E402
 
 SHORT = ("B1_glaive", "B2_opencodeinstruct")
 LONG = ("B4_mixturethoughts", "B5_openthoughts")

@@ -15,7 +15,7 @@ Shape (see catalogs/default.yaml)::
 
 Each entry under ``partitions`` is a *dataset*. A dataset is one Dagster partition, or, with ``chunks: N`` (N > 1),
 N partitions ``<dataset>.c00`` .. ``<dataset>.c{N-1}`` (:func:`chunk_keys`), each a run of its own over the rows a
-keyed hash of the sample id assigns to it (``raw_prompts_pass.chunk_of``); :meth:`Catalog.partition` resolves a
+keyed hash of the sample id assigns to it (``raw_prompts.write.chunk_of``); :meth:`Catalog.partition` resolves a
 partition key of either kind to its spec, so every asset looks a key up the same way.
 
 Relative source paths resolve against the catalog file's directory; ``${VAR}`` and ``${VAR:-default}`` in any
@@ -35,7 +35,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from eagle_assets.formats import FormatError, known_formats, resolve_format
-from eagle_assets.quality.segment import DROP_REASONS
+from eagle_assets.structure.segment import DROP_REASONS
 from eagle_assets.target_model.profile import OVERRIDE_KEYS as PROFILE_OVERRIDE_KEYS
 
 PARTITION_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*$")
@@ -145,7 +145,7 @@ class Thresholds(_Strict):
     """Length and structure gates of a partition (token counts of the completion; shares are fractions 0..1).
 
     ``max_share_by_reason`` sets WARN / ERROR levels for single drop reasons (names from
-    ``quality.segment.DROP_REASONS``), e.g. ``{missing_think_end: {warn: 0.02, error: 0.1}}``, on top of the total
+    ``structure.segment.DROP_REASONS``), e.g. ``{missing_think_end: {warn: 0.02, error: 0.1}}``, on top of the total
     ``max_share_dropped_*`` levels.
     """
 
@@ -177,7 +177,7 @@ class Thresholds(_Strict):
 
 
 class LiveSpec(_Strict):
-    """Live quality monitoring while a partition generates (see ``quality.live``).
+    """Live quality monitoring while a partition generates (see ``qc.live``).
 
     After ``warmup_rows`` generated rows, the running figures are compared with the partition's ``thresholds``
     every ``report_every_rows`` rows: a WARN-level breach is logged with example sample ids; an ERROR-level
@@ -297,7 +297,7 @@ class MixSpec(_Strict):
     catalog order until the budget is spent: the unbalanced baseline). ``token_budget``: completion (loss) tokens
     of the mix; null = every training row's tokens. ``weights``: relative token share per partition key (missing
     keys weigh 1.0). ``bucket_caps``: caps on the share of tokens from short rows. ``seed``: row order.
-    ``turn_weights``: {turn index: weight} for ``all_turns`` partitions (``conversation.mix``).
+    ``turn_weights``: {turn index: weight} for ``all_turns`` partitions (``drafter.turn_mix``).
     """
 
     mode: Literal["balanced", "concat"] = "balanced"

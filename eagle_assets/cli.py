@@ -47,8 +47,8 @@ def _cmd_build_target(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from eagle_assets.catalog import default_catalog_path, load_catalog
-    from eagle_assets.quality.lengths import format_table, length_report
-    from eagle_assets.storage import Layout, default_storage_root
+    from eagle_assets.qc.lengths import format_table, length_report
+    from eagle_assets.storage.shards import Layout, default_storage_root
 
     catalog_path = Path(args.catalog or default_catalog_path()).resolve()
     catalog = load_catalog(catalog_path)
@@ -89,8 +89,8 @@ def _partition_definitions(defs, catalog_path: Path, catalog, prelaunch: bool = 
     host needs the memory (and launches its own in aux-capture mode when ``training.features`` is served).
     ``prelaunch``: start launching it at once, in a background thread, instead of at the first generations step."""
     from eagle_assets.definitions import build_definitions
-    from eagle_assets.k8s import executor_kind
-    from eagle_assets.serving.resource import SGLangServerResource, shared_launcher
+    from eagle_assets.assets.k8s import executor_kind
+    from eagle_assets.assets.server_resource import SGLangServerResource, shared_launcher
 
     server = catalog.server
     if server.urls or executor_kind(None) != "in_process":
@@ -124,7 +124,7 @@ def _quietly(fn, *args) -> None:
 def _first_run(layout, keys: list[str]) -> bool:
     """Whether some of ``keys`` has no generations yet (so the run will need a server); a partition that has some
     is resumed and launches one on demand, as does any run this says False for."""
-    from eagle_assets.storage import safe_name
+    from eagle_assets.storage.shards import safe_name
 
     return any(not any((layout.base / "generations" / safe_name(k)).glob("*.parquet")) for k in keys)
 
@@ -164,7 +164,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import dagster as dg
 
     from eagle_assets.catalog import CatalogError, default_catalog_path
-    from eagle_assets.storage import Layout, default_storage_root
+    from eagle_assets.storage.shards import Layout, default_storage_root
 
     catalog_path = Path(args.catalog or default_catalog_path()).resolve()
     try:  # importing definitions loads $EAGLE_ASSETS_CATALOG (its module-level defs) too

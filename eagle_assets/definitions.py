@@ -14,7 +14,7 @@ retried, resumed and sent to Kubernetes as one), and the dataset-level QC of chu
 Every asset depends, besides its upstream assets, on the observable source assets of the inputs it reads
 (``assets.inputs``), carries a code version (``assets.versions``) and an automation condition
 (``assets.automation``). ``$EAGLE_ASSETS_EXECUTOR`` picks the executor of every run (``in_process``, or ``k8s``:
-one Kubernetes Job per step, ``eagle_assets.k8s``).
+one Kubernetes Job per step, ``eagle_assets.assets.k8s``).
 """
 
 from __future__ import annotations
@@ -38,12 +38,13 @@ from eagle_assets.assets.prompts import build_prompt_assets
 from eagle_assets.assets.qc import build_dataset_assets, build_qc_assets
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.schedules import build_schedules
-from eagle_assets.assets.sensors import build_sensors
+from eagle_assets.assets.automation import build_automation_sensor
+from eagle_assets.assets.sensors import build_inputs_sensor
 from eagle_assets.assets.training import build_training_assets
 from eagle_assets.catalog import default_catalog_path, load_catalog
-from eagle_assets.k8s import build_executor
-from eagle_assets.serving.resource import SGLangServerResource
-from eagle_assets.storage import default_storage_root
+from eagle_assets.assets.k8s import build_executor
+from eagle_assets.assets.server_resource import SGLangServerResource
+from eagle_assets.storage.shards import default_storage_root
 
 PARTITION_JOB = "partition_job"
 TRAINING_JOB = "training_job"
@@ -79,7 +80,7 @@ def build_definitions(
         *build_generation_assets(partitions_def),
         *build_qc_assets(partitions_def),
         *build_dataset_assets(catalog, partitions_def),
-        *build_training_assets(),
+        *build_training_assets(full_asset_graph=lambda: defs.resolve_asset_graph()),
         *build_export_assets(),
     ]
     conditions = asset_conditions()
@@ -121,12 +122,14 @@ def build_definitions(
             urls=list(server.urls), launch=server.launch, api_key_env=server.api_key_env,
             extra_args=list(server.extra_args),
         )
-    return dg.Definitions(
+    # The checkpoint's provenance walks this Definitions' whole graph (``assets.provenance``): the lambda above is
+    # called at run time, after ``defs`` is bound.
+    defs = dg.Definitions(
         assets=asset_defs,
         asset_checks=checks,
         jobs=jobs,
         executor=executor_def,
-        sensors=build_sensors(list(catalog.partition_keys)),
+        sensors=[build_inputs_sensor(list(catalog.partition_keys)), build_automation_sensor()],
         schedules=build_schedules(),
         resources={
             "settings": PipelineSettings(catalog_path=str(catalog_path), storage_root=str(storage_root)),
@@ -134,6 +137,7 @@ def build_definitions(
             "sglang": sglang,
         },
     )
+    return defs
 
 
 defs = build_definitions()

@@ -2,7 +2,7 @@
 
 - The catalog: chunk keys ``<dataset>.c00`` .., one resolver for every key, clear errors for bad keys; a dataset of
   ``chunks: 1`` keeps its key.
-- ``raw_prompts_pass``: the chunks' rows are disjoint and their union is the unchunked dataset's rows (same ids,
+- ``raw_prompts.write``: the chunks' rows are disjoint and their union is the unchunked dataset's rows (same ids,
   same contents), with and without a ``limit`` sample, on a synthetic source with duplicates and bad records and on
   the shared real samples; each reject is recorded once (chunk 0).
 - A real Dagster instance: the chunks of a dataset run as ``partition_job`` runs (the demo target against the stub
@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from eagle_assets.catalog import CatalogError, chunk_keys, load_catalog
-from eagle_assets.raw_prompts_pass import chunk_of, write_raw_prompts
+from eagle_assets.raw_prompts.write import chunk_of, write_raw_prompts
 
 pytestmark = pytest.mark.slow(seconds=50)  # its share of a parallel session: scheduled early (conftest)
 
@@ -89,7 +89,7 @@ def test_chunks_out_of_range_is_a_catalog_error(tmp_path, chunks):
 
 
 def test_the_storage_takes_chunk_keys_as_directories(tmp_path):
-    from eagle_assets.storage import Layout
+    from eagle_assets.storage.shards import Layout
 
     layout = Layout(tmp_path, "cat")
     assert layout.stage_dir("qc_shards", "B5.c03") == tmp_path / "cat" / "qc_shards" / "B5.c03"
@@ -205,7 +205,7 @@ def runs(demo_target, tmp_path_factory):
     """The demo dataset ``D`` through a real instance twice: unchunked (catalog ``whole``) and in 3 chunks
     (catalog ``chunked``), then each catalog's draft vocab and training mix."""
     from eagle_assets.definitions import DATASET_JOB, PARTITION_JOB, build_definitions
-    from eagle_assets.serving.stub_server import StubServer, serve_stub_in_thread
+    from eagle_assets_tests.servers.stub_server import StubServer, serve_stub_in_thread
 
     root = tmp_path_factory.mktemp("chunks")
     target = root / "target"
@@ -308,7 +308,7 @@ def test_training_waits_for_every_chunk(runs, tmp_path):
 
 
 def test_every_chunk_gets_the_per_step_k8s_config(runs):
-    from eagle_assets.k8s import step_k8s_config
+    from eagle_assets.assets.k8s import step_k8s_config
 
     catalog = load_catalog(runs["root"] / "chunked.yaml")
     steps = step_k8s_config(catalog)
@@ -320,7 +320,7 @@ def test_every_chunk_gets_the_per_step_k8s_config(runs):
 
 def test_cli_partitions_expand_a_chunked_dataset_and_refuse_unknown_keys(tmp_path):
     from eagle_assets.cli import chunks_without_qc, selected_partition_keys
-    from eagle_assets.storage import Layout
+    from eagle_assets.storage.shards import Layout
 
     catalog = load_catalog(_catalog(tmp_path, {"A": {}, "B": {"chunks": 3}}))
     assert selected_partition_keys(catalog, None) == ["A", "B.c00", "B.c01", "B.c02"]

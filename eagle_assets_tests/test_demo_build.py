@@ -13,15 +13,9 @@ import time
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle_assets.demo.build import (
-    DemoRecipe,
-    DemoTargetRejected,
-    build_demo_target,
-    demo_target_path,
-    recipe_hash,
-    rejected_path,
-)
-from eagle_assets.demo.evaluate import default_catalog_caps, generate_replies
+from eagle_assets.demo.recipe import DemoRecipe, demo_target_path, recipe_hash
+from eagle_assets.demo.build import DemoTargetRejected, build_demo_target, rejected_path
+from eagle_assets.demo.gate import default_catalog_caps, generate_replies
 from eagle_assets.demo.transcripts import generate_samples
 
 pytestmark = pytest.mark.slow(seconds=130)  # its share of a parallel session: scheduled early (conftest)
@@ -191,7 +185,7 @@ def test_a_recorded_gate_verdict_stands_only_for_the_same_weights_and_gate_input
 def test_repeated_count_line_is_masked_and_tokenization_unchanged(tiny_target):
     import random
 
-    from eagle_assets.demo.build import encode_sample, encode_training_sample
+    from eagle_assets.demo.rows import encode_sample, encode_training_sample
 
     _, path = tiny_target
     tok = AutoTokenizer.from_pretrained(path)

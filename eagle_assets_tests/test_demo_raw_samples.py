@@ -112,14 +112,14 @@ def _render(tokenizer, messages, tools):
 
 
 def test_all_turns_replay_of_b1_gives_the_gate_prompts_id_for_id():
-    """Replaying the committed B1 conversations with the ``all_turns`` machinery (``conversation.walk`` +
+    """Replaying the committed B1 conversations with the ``all_turns`` machinery (``tokenized_prompts.walk`` +
     ``reply.parse_reply`` + ``render_prompt``), the model answering each turn with the generator's reference reply:
     every call finds its recorded result, every turn's prompt ids equal the gate's prompt for that turn, and each
     conversation is complete after 2 turns, or 3 when the record holds a follow-up."""
-    from eagle_assets.conversation.reply import parse_reply
-    from eagle_assets.conversation.walk import COMPLETE, ConversationWalk
-    from eagle_assets.demo.build import encode_sample
-    from eagle_assets.quality.segment import segment_output
+    from eagle_assets.generations.reply import parse_reply
+    from eagle_assets.tokenized_prompts.walk import COMPLETE, ConversationWalk
+    from eagle_assets.demo.rows import encode_sample
+    from eagle_assets.structure.segment import segment_output
     from eagle_assets.target_model.profile import detect_profile
     from eagle_assets.target_model.render import render_prompt
 

@@ -124,7 +124,7 @@ def test_saved_tokenizer_reloads_with_template(tokenizer, tmp_path):
 
 
 def test_check_reply_rules(tokenizer):
-    from eagle_assets.demo.evaluate import check_reply
+    from eagle_assets.demo.gate import check_reply
 
     def ids(text):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -194,7 +194,8 @@ def test_template_keeps_reasoning_only_after_the_last_user_turn(tokenizer):
 def test_a_tool_chain_trains_both_replies_in_one_row(tokenizer):
     import random
 
-    from eagle_assets.demo.build import DemoRecipe, encode_sample, encode_tool_chain, training_row
+    from eagle_assets.demo.recipe import DemoRecipe
+    from eagle_assets.demo.rows import encode_sample, encode_tool_chain, training_row
 
     for second in generate_samples("tool_result", 5, seed=3):
         first = second.features["first"]

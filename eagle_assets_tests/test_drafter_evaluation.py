@@ -84,7 +84,7 @@ def test_acceptance_check_levels_spread_and_the_unseen_figure():
 
 def test_thinking_modes_of_turn_rows_are_grouped_and_reported_beside_the_mean():
     from eagle_assets.assets.training import thinking_mode_groups
-    from eagle_assets.conversation.walk import turn_row_id
+    from eagle_assets.tokenized_prompts.walk import turn_row_id
 
     ids, mask = np.arange(5, dtype=np.int32), np.array([0, 0, 1, 1, 1], dtype=np.int8)
     held = [(turn_row_id("MT:1", "on", 1), ids, mask, "M1"), (turn_row_id("MT:1", "off", 2), ids, mask, "M1"),

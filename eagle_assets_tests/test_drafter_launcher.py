@@ -73,7 +73,7 @@ def write_catalog(tmp: Path, target_dir: Path, **training) -> Path:
 
 def test_kubernetes_training_pod_gets_one_gpu_per_torchrun_process(tmp_path):
     from eagle_assets.catalog import load_catalog
-    from eagle_assets.k8s import CPU_PER_GPU, GPU_RESOURCE, step_k8s_config, training_gpus
+    from eagle_assets.assets.k8s import CPU_PER_GPU, GPU_RESOURCE, step_k8s_config, training_gpus
 
     four = load_catalog(write_catalog(tmp_path, tmp_path, nproc_per_node=4))
     resources = step_k8s_config(four)["drafter_checkpoint"]["container_config"]["resources"]

@@ -134,7 +134,7 @@ def test_held_out_splits_are_disjoint_capped_per_partition_and_stable():
 def test_turns_and_thinking_modes_of_one_conversation_share_their_split():
     from eagle_assets.assets.training import row_splits
     from eagle_assets.catalog import TrainingSpec
-    from eagle_assets.conversation.walk import conversation_id, turn_row_id
+    from eagle_assets.tokenized_prompts.walk import conversation_id, turn_row_id
 
     spec = TrainingSpec(holdout_fraction=0.5, holdout_rows=10, validation_rows=2, seed=0)
     samples = [f"MT:{i:03d}" for i in range(30)]  # ids that contain ':' themselves

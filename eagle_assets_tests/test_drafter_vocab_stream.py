@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle_assets.drafter.vocab import count_completion_tokens, count_completion_tokens_in_shards
-from eagle_assets.quality.qc_pass import QC_SCHEMA
+from eagle_assets.qc.qc_pass import QC_SCHEMA
 
 
 def _rows(rng, n, start):

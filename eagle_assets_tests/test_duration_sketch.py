@@ -1,4 +1,4 @@
-"""``quality.running.DurationSketch`` (request latencies in client and generation statistics): constant memory,
+"""``figures.running.DurationSketch`` (request latencies in client and generation statistics): constant memory,
 quantiles within its stated 0.5% of the exact order statistics the lists gave, ``append``/``len`` as on a list."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from eagle_assets.generation import GenerationStats
-from eagle_assets.quality.running import DurationSketch
+from eagle_assets.generations.run import GenerationStats
+from eagle_assets.figures.running import DurationSketch
 from eagle_assets.serving.client import ClientStats
 
 

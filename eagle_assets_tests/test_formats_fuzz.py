@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eagle_assets.formats import FORMATS, REJECT_REASONS, FormatError
-from eagle_assets.formats.rows import RAW_SCHEMA, REJECT_SCHEMA, collect_prompt_rows
+from eagle_assets.raw_prompts.rows import RAW_SCHEMA, REJECT_SCHEMA, collect_prompt_rows
 
 DATA = Path(__file__).resolve().parent / "data"
 ROLES = ("system", "user", "assistant", "tool")

@@ -78,8 +78,8 @@ def test_raw_prompts_keeps_every_good_record_of_a_file_with_bad_ones(tmp_path):
 
 
 def test_an_empty_file_flows_through_the_partition_job_as_zero_rows(tmp_path):
-    from eagle_assets.serving.resource import SGLangServerResource
-    from eagle_assets.serving.stub_server import StubServer, serve_stub_in_thread
+    from eagle_assets.assets.server_resource import SGLangServerResource
+    from eagle_assets_tests.servers.stub_server import StubServer, serve_stub_in_thread
 
     qwen = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tokenizers" / "qwen3-0.6b"
     if not qwen.is_dir():

@@ -1,6 +1,6 @@
 """``run_generation`` end to end against a real HTTP server that misbehaves on purpose.
 
-The server is ``eagle_assets.serving.stub_server.StubServer`` on 127.0.0.1 (aiohttp, its own event loop in a
+The server is ``eagle_assets_tests.servers.stub_server.StubServer`` on 127.0.0.1 (aiohttp, its own event loop in a
 thread): replies are a pure function of the prompt, so every row that reaches a shard can be checked id by id, and
 faults are scripted per sample id and attempt. The client is the real ``GenerateClient``; the shards and the
 failures table are real Parquet files read back with pyarrow.
@@ -19,11 +19,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_assets.generation import FAILURES_FILE, LOCK_FILE, PartitionBusyError, run_generation
+from eagle_assets.generations.run import FAILURES_FILE, LOCK_FILE, PartitionBusyError, run_generation
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.protocol import SamplingParams
-from eagle_assets.serving.stub_server import SGLANG_ECHO_IDS, StubServer, serve_stub_in_thread, stub_output_ids
-from eagle_assets.storage import read_shards, shard_paths
+from eagle_assets_tests.servers.stub_server import SGLANG_ECHO_IDS, StubServer, serve_stub_in_thread, stub_output_ids
+from eagle_assets.storage.shards import read_shards, shard_paths
 
 VOCAB = 500
 STOP = 2
@@ -294,8 +294,8 @@ def test_qc_drops_counted_echoes_that_another_producer_stored(tmp_path):
     # The report: against a server echoing half of 300 replies with matching counts, an older client stored them as
     # good rows. Such shards (written here as that producer wrote them: the stub's replies, echo included, counts
     # agreeing) are what QC gets; segment_row, QC's call, must name every echo and keep every other row.
-    from eagle_assets.generation import GENERATION_SCHEMA
-    from eagle_assets.quality.segment import segment_row
+    from eagle_assets.generations.run import GENERATION_SCHEMA
+    from eagle_assets.structure.segment import segment_row
     from eagle_assets.target_model.profile import FamilyProfile
 
     prompts = {f"s:{i}": _chat_prompt(i) for i in range(300)}

@@ -33,11 +33,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_assets.generation import FAILURES_FILE, run_generation
+from eagle_assets.generations.run import FAILURES_FILE, run_generation
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.protocol import SamplingParams
-from eagle_assets.serving.stub_server import StubServer, serve_stub_in_thread
-from eagle_assets.storage import read_shards, shard_paths
+from eagle_assets_tests.servers.stub_server import StubServer, serve_stub_in_thread
+from eagle_assets.storage.shards import read_shards, shard_paths
 
 pytestmark = pytest.mark.slow(seconds=55)  # its share of a parallel session: scheduled early (conftest)
 
@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 # event loop or a thread, so forking it is safe.
 ZYGOTE = r"""
 import json, os, sys, traceback
-from eagle_assets.generation import run_generation
+from eagle_assets.generations.run import run_generation
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.protocol import SamplingParams
 
@@ -240,7 +240,7 @@ TINY_VOCAB = 126
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory):
     from eagle_assets.serving.server import serve_in_thread
-    from eagle_assets.serving.tiny_model import write_tiny_causal_lm
+    from eagle_assets_tests.servers.tiny_model import write_tiny_causal_lm
 
     model_dir = write_tiny_causal_lm(tmp_path_factory.mktemp("tiny") / "model", seed=5)
     with serve_in_thread(str(model_dir), max_batch_size=16, context_length=128) as running:

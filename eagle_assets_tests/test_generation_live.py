@@ -19,12 +19,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle_assets.catalog import LiveSpec, Thresholds
-from eagle_assets.generation import FAILURES_FILE, LIVE_STATS_FILE, run_generation
-from eagle_assets.quality.live import LiveQualityMonitor
+from eagle_assets.generations.run import FAILURES_FILE, LIVE_STATS_FILE, run_generation
+from eagle_assets.qc.live import LiveQualityMonitor
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.protocol import SamplingParams
-from eagle_assets.serving.stub_server import StubServer, serve_stub_in_thread, stub_truncates
-from eagle_assets.storage import read_shards
+from eagle_assets_tests.servers.stub_server import StubServer, serve_stub_in_thread, stub_truncates
+from eagle_assets.storage.shards import read_shards
 from eagle_assets.target_model.profile import FamilyProfile
 
 VOCAB = 500
@@ -282,7 +282,7 @@ def test_generations_asset_fails_fast_with_a_clear_description_and_keeps_rows(de
     import yaml
 
     from eagle_assets.definitions import build_definitions
-    from eagle_assets.serving.resource import SGLangServerResource
+    from eagle_assets.assets.server_resource import SGLangServerResource
 
     repo = Path(__file__).resolve().parents[1]
     catalog = yaml.safe_load((repo / "catalogs" / "default.yaml").read_text())

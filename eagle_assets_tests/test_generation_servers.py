@@ -16,11 +16,11 @@ import urllib.request
 
 import pytest
 
-from eagle_assets.generation import run_generation
+from eagle_assets.generations.run import run_generation
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.launch import free_port, log_tail
 from eagle_assets.serving.protocol import SamplingParams
-from eagle_assets.storage import read_shards
+from eagle_assets.storage.shards import read_shards
 
 VOCAB = 126
 SP = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[2])
@@ -29,7 +29,7 @@ SP = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[2])
 @pytest.fixture(scope="module")
 def two_servers(tmp_path_factory):
     from eagle_assets.serving.server import serve_in_thread
-    from eagle_assets.serving.tiny_model import write_tiny_causal_lm
+    from eagle_assets_tests.servers.tiny_model import write_tiny_causal_lm
 
     model_dir = str(write_tiny_causal_lm(tmp_path_factory.mktemp("tiny") / "model", seed=11))
     with serve_in_thread(model_dir, max_batch_size=16) as a, serve_in_thread(model_dir, max_batch_size=16) as b:

@@ -1,6 +1,6 @@
 """Turn-by-turn history with the real Qwen3, DeepSeek-R1 and Kimi-K2.5 / K2-Thinking tokenizers and templates.
 
-Each test drives ``conversation.rollout.render_turn`` / ``take_reply`` (the code the ``all_turns`` generations run)
+Each test drives ``generations.rollout.render_turn`` / ``take_reply`` (the code the ``all_turns`` generations run)
 over replies written in each family's own token structure, and checks that turn k's ``prompt_ids`` are, id for id,
 ``apply_chat_template(history, tools, add_generation_prompt=True)`` of the history a client of SGLang would send
 back: the assistant messages written out here by hand (``reasoning_content`` / ``content`` / ``tool_calls``), the
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from eagle_assets.conversation.reply import parse_reply, reply_spans
-from eagle_assets.conversation.rollout import RolloutSettings, render_turn, take_reply
-from eagle_assets.conversation.walk import (COMPLETE, QC_DROPPED, RENDER_REJECTED, TOOL_RESULT_NOT_RECORDED,
+from eagle_assets.generations.reply import parse_reply, reply_spans
+from eagle_assets.generations.rollout import RolloutSettings, render_turn, take_reply
+from eagle_assets.tokenized_prompts.walk import (COMPLETE, QC_DROPPED, RENDER_REJECTED, TOOL_RESULT_NOT_RECORDED,
                                             UNPARSEABLE_TOOL_CALL, ConversationWalk, thinking_modes, turn_row_id)
-from eagle_assets.quality.segment import segment_output
+from eagle_assets.structure.segment import segment_output
 from eagle_assets.target_model import detect_profile, load_kimi_tokenizer, load_tokenizer
 from test_quality_families import KIMI_THINKING_TEMPLATE, WEATHER_TOOL, _k25_template, _r1_template
 

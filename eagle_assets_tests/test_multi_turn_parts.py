@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle_assets.catalog import CatalogError, load_catalog
-from eagle_assets.conversation.mix import build_turn_mix, group_name
-from eagle_assets.conversation.report import format_turn_table, qc_by_turn, turn_length_report
-from eagle_assets.conversation.rollout import TURN_SCHEMA, TurnMonitor
-from eagle_assets.conversation.walk import ConversationWalk, first_turn_messages, thinking_modes
+from eagle_assets.drafter.turn_mix import build_turn_mix, group_name
+from eagle_assets.qc.turn_report import format_turn_table, qc_by_turn, turn_length_report
+from eagle_assets.generations.rollout import TURN_SCHEMA, TurnMonitor
+from eagle_assets.tokenized_prompts.walk import ConversationWalk, first_turn_messages, thinking_modes
 from eagle_assets.drafter.mix import MixCandidate, build_mix
-from eagle_assets.quality.qc_pass import ROWS_SCHEMA
+from eagle_assets.qc.qc_pass import ROWS_SCHEMA
 
 PART = """
 partitions:
@@ -136,7 +136,7 @@ def test_length_and_qc_figures_by_turn_and_thinking_mode(tmp_path):
 
 
 def test_turn_monitor_keeps_figures_per_turn_and_mode_and_decides_like_the_partition_monitor(shared_data):
-    from eagle_assets.quality.live import LiveQualityMonitor
+    from eagle_assets.qc.live import LiveQualityMonitor
     from eagle_assets.target_model import detect_profile, load_tokenizer
 
     tok = load_tokenizer(shared_data / "tokenizers" / "qwen3-0.6b")

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from eagle_assets.serving.stub_server import StubServer, serve_stub_in_thread
+from eagle_assets_tests.servers.stub_server import StubServer, serve_stub_in_thread
 
 pytestmark = pytest.mark.slow(seconds=60)  # its share of a parallel session: scheduled early (conftest)
 
@@ -123,14 +123,14 @@ def _metadata(result, asset: str) -> dict:
 
 
 def _rows(directory: Path) -> list[dict]:
-    from eagle_assets.storage import shard_paths
+    from eagle_assets.storage.shards import shard_paths
 
     return [r for p in shard_paths(directory) for r in pq.read_table(p).to_pylist()]
 
 
 def test_all_turns_partitions_regenerate_every_turn_through_dagster(qwen, shared_data, tmp_path):
     from eagle_assets.definitions import build_definitions
-    from eagle_assets.serving.resource import SGLangServerResource
+    from eagle_assets.assets.server_resource import SGLangServerResource
 
     calls = _recorded_calls(shared_data / "llama_factory/glaive_toolcall_en_demo.json", "sharegpt")
     server = ScriptedQwen3Server(qwen, calls)
@@ -210,7 +210,7 @@ def test_all_turns_partitions_regenerate_every_turn_through_dagster(qwen, shared
 KILL_SCRIPT = r"""
 import json, sys
 from pathlib import Path
-from eagle_assets.conversation.rollout import RolloutSettings, run_conversations
+from eagle_assets.generations.rollout import RolloutSettings, run_conversations
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.protocol import SamplingParams
 from eagle_assets.target_model import detect_profile, load_tokenizer
@@ -228,7 +228,7 @@ print("DONE", json.dumps(stats.summary()), flush=True)
 
 
 def test_sigkill_between_turns_resumes_at_the_next_turn_exactly_once(qwen, shared_data, tmp_path):
-    from eagle_assets.conversation.rollout import RolloutSettings, run_conversations
+    from eagle_assets.generations.rollout import RolloutSettings, run_conversations
     from eagle_assets.formats import build_prompt, load_records
     from eagle_assets.serving.client import GenerateClient
     from eagle_assets.serving.protocol import SamplingParams

@@ -1,4 +1,4 @@
-"""``conversation.rollout.run_conversations`` without Dagster: failed turn requests and live fail-fast stops end
+"""``generations.rollout.run_conversations`` without Dagster: failed turn requests and live fail-fast stops end
 conversations with a non-final reason, and the next run resumes them at that turn.
 
 Server: ``ScriptedQwen3Server`` of ``test_multi_turn_pipeline`` (the stub server with replies scripted in the real
@@ -10,10 +10,10 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_assets.conversation.rollout import CONVERSATIONS_FILE, RolloutSettings, run_conversations
+from eagle_assets.generations.rollout import CONVERSATIONS_FILE, RolloutSettings, run_conversations
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.protocol import SamplingParams
-from eagle_assets.serving.stub_server import serve_stub_in_thread
+from eagle_assets_tests.servers.stub_server import serve_stub_in_thread
 from test_multi_turn_pipeline import ScriptedQwen3Server, _rows
 
 DATASET = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": ""},
@@ -65,7 +65,7 @@ def test_a_failed_turn_request_is_counted_and_resumed_at_that_turn(qwen, tmp_pat
 
 
 def test_live_fail_fast_stops_between_turns_keeps_rows_and_resumes(qwen, tmp_path):
-    from eagle_assets.quality.live import LiveQualityMonitor
+    from eagle_assets.qc.live import LiveQualityMonitor
 
     tok, prof = qwen
     convs = [(f"c{i}", DATASET) for i in range(6)]

@@ -35,7 +35,7 @@ from dagster._core.launcher import LaunchRunContext  # noqa: E402
 from dagster._core.system_config.objects import ResolvedRunConfig  # noqa: E402
 from dagster._grpc.types import ExecuteStepArgs  # noqa: E402
 
-from eagle_assets.k8s import API_KEY_SECRET, GPU_RESOURCE, server_gpus, step_k8s_config  # noqa: E402
+from eagle_assets.assets.k8s import API_KEY_SECRET, GPU_RESOURCE, server_gpus, step_k8s_config  # noqa: E402
 from eagle_assets.catalog import load_catalog  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

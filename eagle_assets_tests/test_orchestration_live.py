@@ -504,7 +504,7 @@ def test_automation_on_the_daemon_materializes_exactly_what_changed(deployment, 
     then the report and training, and nothing else; provenance.json in the new checkpoint names its run."""
     from eagle_assets.assets.automation import unsynced
     from eagle_assets.definitions import build_definitions
-    from eagle_assets.provenance import PROVENANCE_FILE
+    from eagle_assets.assets.provenance import PROVENANCE_FILE
 
     if "edited_at" not in AUTOMATION:
         pytest.skip("the chat template is edited by the UI test above")

@@ -12,8 +12,8 @@ import yaml
 
 from eagle_assets.catalog import CatalogError, load_catalog
 from eagle_assets.definitions import PARTITION_JOB, build_definitions
-from eagle_assets.serving.resource import SGLangServerResource
-from eagle_assets.storage import Layout
+from eagle_assets.assets.server_resource import SGLangServerResource
+from eagle_assets.storage.shards import Layout
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = REPO_ROOT / "eagle_assets"

@@ -12,7 +12,7 @@ import yaml
 
 from eagle_assets.definitions import PARTITION_JOB, TRAINING_JOB, build_definitions
 from eagle_assets.demo.tokenizer import CONTROL_TOKENS
-from eagle_assets.storage import read_shards
+from eagle_assets.storage.shards import read_shards
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

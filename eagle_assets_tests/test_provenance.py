@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from eagle_assets.assets.resources import PipelineSettings
-from eagle_assets.provenance import FORMAT, PROVENANCE_FILE, build_provenance, source_sha256, write_provenance
+from eagle_assets.assets.provenance import FORMAT, PROVENANCE_FILE, build_provenance, source_sha256, write_provenance
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SECRET_ENV = "EAGLE_TEST_PROVENANCE_SECRET"
@@ -135,20 +135,23 @@ def test_an_input_never_recorded_is_listed_as_such(tmp_path):
 
 
 def test_without_a_repository_the_graph_is_our_definitions_whole(tmp_path):
-    """``execute_in_process`` runs have no repository; the fallback graph still reaches every ancestor of the
-    checkpoint, down to the observed inputs."""
-    from eagle_assets.provenance import full_asset_graph
+    """``execute_in_process`` runs have no repository; the fallback graph (what ``build_definitions`` gives the
+    checkpoint: its own Definitions' graph, not a rebuilt one) still reaches every ancestor of the checkpoint, down
+    to the observed inputs, and the job's neighbourhood alone would not."""
+    from eagle_assets.assets.provenance import full_asset_graph
+    from eagle_assets.definitions import build_definitions
 
-    settings = PipelineSettings(catalog_path=str(REPO_ROOT / "catalogs" / "default.yaml"),
-                                storage_root=str(tmp_path / "store"))
+    defs = build_definitions(REPO_ROOT / "catalogs" / "default.yaml", tmp_path / "store", executor="in_process")
     seen = {}
 
     @dg.asset
     def probe(context: dg.AssetExecutionContext):
-        seen["graph"] = full_asset_graph(context, settings)
+        seen["graph"] = full_asset_graph(context, defs.resolve_asset_graph)
+        seen["neighbourhood"] = full_asset_graph(context)
 
     with dg.DagsterInstance.ephemeral() as instance:
         assert dg.materialize([probe], instance=instance).success
+    assert dg.AssetKey("drafter_checkpoint") not in seen["neighbourhood"].get_all_asset_keys()
     graph = seen["graph"]
     todo, ancestors = [dg.AssetKey("drafter_checkpoint")], set()
     while todo:

@@ -28,8 +28,8 @@ import pytest
 
 from eagle_assets.assets.qc import blank_token_ids
 from eagle_assets.catalog import LiveSpec, Thresholds
-from eagle_assets.quality.live import LiveQualityMonitor
-from eagle_assets.quality.segment import DROP_REASONS, Segmentation, segment_row
+from eagle_assets.qc.live import LiveQualityMonitor
+from eagle_assets.structure.segment import DROP_REASONS, Segmentation, segment_row
 from eagle_assets.serving.protocol import ReplyError, parse_reply
 from eagle_assets.target_model import detect_profile, load_kimi_tokenizer, load_tokenizer, render_prompt
 from eagle_assets.target_model.profile import target_vocab_size
@@ -229,9 +229,9 @@ def test_tokenized_prompts_uses_the_renderers_rule(deepseek_tok, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from eagle_assets.formats.rows import RAW_SCHEMA
+    from eagle_assets.raw_prompts.rows import RAW_SCHEMA
     from eagle_assets.target_model.render import opens_think_block, render_prompt
-    from eagle_assets.tokenize_pass import tokenize_partition
+    from eagle_assets.tokenized_prompts.write import tokenize_partition
 
     saved = deepseek_tok.chat_template
     deepseek_tok.chat_template = _r1_template(saved)

@@ -3,8 +3,8 @@
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_assets.quality.lengths import format_table, length_report
-from eagle_assets.quality.thresholds import evaluate_response_length, evaluate_token_structure
+from eagle_assets.qc.lengths import format_table, length_report
+from eagle_assets.qc.thresholds import evaluate_response_length, evaluate_token_structure
 
 
 def _rows(tmp_path, name, completion, reasoning, finish, cap=100):

@@ -8,10 +8,10 @@ from statistics import median
 import pytest
 
 from eagle_assets.catalog import LiveSpec
-from eagle_assets.quality.live import LiveQualityMonitor
-from eagle_assets.quality.running import LengthHistogram
-from eagle_assets.quality.segment import segment_row
-from eagle_assets.quality.thresholds import evaluate_response_length, evaluate_token_structure
+from eagle_assets.qc.live import LiveQualityMonitor
+from eagle_assets.figures.running import LengthHistogram
+from eagle_assets.structure.segment import segment_row
+from eagle_assets.qc.thresholds import evaluate_response_length, evaluate_token_structure
 from test_quality_qc_pass import PROFILE, _random_rows
 from test_quality_fuzz_replies import BLANK, CONTROL, VOCAB
 
@@ -77,8 +77,8 @@ def test_array_fed_monitor_equals_the_per_row_reference_on_every_drop_reason():
     import pyarrow as pa
 
     import test_quality_segment as hand
-    from eagle_assets.prompts_file import PromptsFile
-    from eagle_assets.quality.segment import DROP_REASONS
+    from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
+    from eagle_assets.structure.segment import DROP_REASONS
 
     groups: dict = {}
     for n, (ids, finish, kw, reason) in enumerate(hand.test_each_drop_reason.pytestmark[0].args[1]):

@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_assets.generation import GENERATION_SCHEMA
-from eagle_assets.quality.qc_pass import QC_SCHEMA, ROWS_SCHEMA, ShardWriter, qc_partition
-from eagle_assets.quality.segment import segment_row
-from eagle_assets.quality.thresholds import evaluate_response_length
-from eagle_assets.storage import shard_paths
+from eagle_assets.generations.run import GENERATION_SCHEMA
+from eagle_assets.qc.qc_pass import QC_SCHEMA, ROWS_SCHEMA, ShardWriter, qc_partition
+from eagle_assets.structure.segment import segment_row
+from eagle_assets.qc.thresholds import evaluate_response_length
+from eagle_assets.storage.shards import shard_paths
 from test_quality_fuzz_replies import BLANK, CONTROL, END_THINK, EOT, ORDINARY, THINK, TOOL, END_TOOL, VOCAB, _profile
 
 PROFILE = _profile(False, False)

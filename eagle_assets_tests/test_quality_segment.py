@@ -2,7 +2,7 @@
 
 import pytest
 
-from eagle_assets.quality.segment import DROP_REASONS, segment_output
+from eagle_assets.structure.segment import DROP_REASONS, segment_output
 from eagle_assets.target_model.profile import FamilyProfile
 
 THINK, END_THINK, TC, END_TC, IM_END, EOS = 900, 901, 902, 903, 904, 905

@@ -1,4 +1,4 @@
-"""``raw_prompts_pass.write_raw_prompts`` (the streaming body of ``raw_prompts``) against the in-memory path it
+"""``raw_prompts.write.write_raw_prompts`` (the streaming body of ``raw_prompts``) against the in-memory path it
 replaced: every record gathered as dicts (``collect_prompt_rows``), sorted by the keyed sample hash, cut at
 ``limit``, sorted by (source_file, source_row), written with one ``pq.write_table``.
 
@@ -20,10 +20,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_assets import raw_prompts_pass
+from eagle_assets.raw_prompts import write as raw_prompts_write
 from eagle_assets.catalog import load_catalog
-from eagle_assets.formats.rows import RAW_SCHEMA, REJECT_SCHEMA, SeenIds, collect_prompt_rows
-from eagle_assets.raw_prompts_pass import sample_order, write_raw_prompts
+from eagle_assets.raw_prompts.rows import RAW_SCHEMA, REJECT_SCHEMA, SeenIds, collect_prompt_rows
+from eagle_assets.raw_prompts.write import sample_order, write_raw_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,8 +70,8 @@ def test_default_catalog_partitions_are_byte_identical_to_the_in_memory_path(tmp
 
 def test_a_12k_record_source_gives_the_same_rows_in_bounded_row_groups(tmp_path, monkeypatch):
     # buffers 8x smaller than the defaults, so 12k records cross as many row groups and spills as ~100k would
-    monkeypatch.setattr(raw_prompts_pass, "SPILL_ROWS", 128)
-    monkeypatch.setattr(raw_prompts_pass, "ROW_GROUP_ROWS", 1024)
+    monkeypatch.setattr(raw_prompts_write, "SPILL_ROWS", 128)
+    monkeypatch.setattr(raw_prompts_write, "ROW_GROUP_ROWS", 1024)
     monkeypatch.setattr(SeenIds, "MERGE_EVERY", 512)
     src = tmp_path / "big.jsonl"
     _sharegpt(src, 12_000)
@@ -87,9 +87,9 @@ def test_a_12k_record_source_gives_the_same_rows_in_bounded_row_groups(tmp_path,
         assert table.equals(pa.Table.from_pylist(rows, schema=RAW_SCHEMA)), limit
         assert pq.read_table(out / "rejects.parquet").equals(pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA))
         meta = pq.ParquetFile(out / "prompts.parquet").metadata
-        assert max(meta.row_group(i).num_rows for i in range(meta.num_row_groups)) <= raw_prompts_pass.ROW_GROUP_ROWS
+        assert max(meta.row_group(i).num_rows for i in range(meta.num_row_groups)) <= raw_prompts_write.ROW_GROUP_ROWS
         assert got.rows == len(rows) and got.available == len(kept) and got.rejected == len(rejects)
-        assert meta.num_row_groups == got.row_groups == -(-len(rows) // raw_prompts_pass.ROW_GROUP_ROWS)
+        assert meta.num_row_groups == got.row_groups == -(-len(rows) // raw_prompts_write.ROW_GROUP_ROWS)
 
 
 def test_several_sources_and_a_file_listed_twice_keep_the_in_memory_order(tmp_path):
@@ -134,8 +134,8 @@ def _peak_bytes(fn) -> int:
 
 def test_peak_memory_does_not_grow_with_the_records(tmp_path, monkeypatch):
     # small buffers, so that a few thousand records already span many spill batches and row groups
-    monkeypatch.setattr(raw_prompts_pass, "SPILL_ROWS", 64)
-    monkeypatch.setattr(raw_prompts_pass, "ROW_GROUP_ROWS", 128)
+    monkeypatch.setattr(raw_prompts_write, "SPILL_ROWS", 64)
+    monkeypatch.setattr(raw_prompts_write, "ROW_GROUP_ROWS", 128)
     monkeypatch.setattr(SeenIds, "MERGE_EVERY", 128)
     small, large = tmp_path / "small.jsonl", tmp_path / "large.jsonl"
     _sharegpt(small, 600)

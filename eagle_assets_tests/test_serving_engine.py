@@ -1,6 +1,6 @@
 """DecodeEngine: continuous batching gives the same ids as decoding alone and as transformers' own greedy generate.
 
-Uses a tiny random Qwen3 written by ``eagle_assets.serving.tiny_model`` (not the demo target).
+Uses a tiny random Qwen3 written by ``eagle_assets_tests.servers.tiny_model`` (not the demo target).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from eagle_assets.serving.engine import DecodeEngine, EngineRequest, load_causal_lm, model_eos_ids, resolve_dtype
 from eagle_assets.serving.protocol import SamplingParams
-from eagle_assets.serving.tiny_model import write_tiny_causal_lm
+from eagle_assets_tests.servers.tiny_model import write_tiny_causal_lm
 
 VOCAB_WORDS = 120  # ids 6..125 are words
 

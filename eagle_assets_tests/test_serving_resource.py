@@ -16,8 +16,8 @@ import pytest
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.launch import launch_server, launched_server
 from eagle_assets.serving.protocol import GenerateReply, SamplingParams
-from eagle_assets.serving.resource import SGLangServerResource, shared_launcher
-from eagle_assets.serving.tiny_model import write_tiny_causal_lm
+from eagle_assets.assets.server_resource import SGLangServerResource, shared_launcher
+from eagle_assets_tests.servers.tiny_model import write_tiny_causal_lm
 
 pytestmark = pytest.mark.slow(seconds=70)  # its share of a parallel session: scheduled early (conftest)
 
@@ -209,7 +209,7 @@ def test_cli_prelaunches_the_shared_server_while_the_first_partition_prepares(mo
     from eagle_assets.cli import _first_run, _partition_definitions
     from eagle_assets.definitions import build_definitions
     from eagle_assets.serving import resource as resource_module
-    from eagle_assets.storage import Layout
+    from eagle_assets.storage.shards import Layout
 
     base = _default_catalog()
     base["target"]["model"] = model_dir

@@ -1,6 +1,6 @@
 """The embedded server over real HTTP on 127.0.0.1: SGLang's /generate shapes, finish reasons, batching, API key.
 
-The model is a tiny random Qwen3 with a word-level tokenizer written by ``eagle_assets.serving.tiny_model``.
+The model is a tiny random Qwen3 with a word-level tokenizer written by ``eagle_assets_tests.servers.tiny_model``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.protocol import GenerateReply, SamplingParams, parse_reply
 from eagle_assets.serving.server import serve_in_thread
-from eagle_assets.serving.tiny_model import write_tiny_causal_lm
+from eagle_assets_tests.servers.tiny_model import write_tiny_causal_lm
 
 VOCAB = 126  # 5 special tokens + [UNK] + 120 words
 EOS = 2

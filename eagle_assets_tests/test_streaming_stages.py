@@ -1,9 +1,9 @@
 """The stages stream (issue 16): partitions larger than one batch go through in bounded pieces and give exactly the
 rows of the one-batch path.
 
-- ``prompts_file.PromptsFile`` (what ``generations`` and ``qc_shards`` read prompts through) over a file of many
+- ``tokenized_prompts.prompts_file.PromptsFile`` (what ``generations`` and ``qc_shards`` read prompts through) over a file of many
   small row groups with a one-group cache: the same ids as the whole table, in any order.
-- ``tokenize_pass.tokenize_partition`` over more records than one batch: several row groups, and rows / rejects
+- ``tokenized_prompts.write.tokenize_partition`` over more records than one batch: several row groups, and rows / rejects
   equal to ``render_prompt`` record by record (real tokenizers of the shared data: every family, several layouts;
   ``render_prompts``' batch encode against the one-record path).
 - ``qc_partition`` reading prompts from such a file equals the in-memory path.
@@ -26,16 +26,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle_assets.catalog import LiveSpec, Thresholds
-from eagle_assets.formats.rows import RAW_SCHEMA, REJECT_SCHEMA
-from eagle_assets.generation import GENERATION_SCHEMA, run_generation
-from eagle_assets.prompts_file import PromptsFile
-from eagle_assets.quality.live import LiveQualityMonitor
-from eagle_assets.quality.qc_pass import qc_partition
+from eagle_assets.raw_prompts.rows import RAW_SCHEMA, REJECT_SCHEMA
+from eagle_assets.generations.run import GENERATION_SCHEMA, run_generation
+from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
+from eagle_assets.qc.live import LiveQualityMonitor
+from eagle_assets.qc.qc_pass import qc_partition
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.protocol import SamplingParams
-from eagle_assets.serving.stub_server import StubServer, serve_stub_in_thread
-from eagle_assets.storage import read_shards, shard_paths
-from eagle_assets.tokenize_pass import TOKENIZED_SCHEMA, tokenize_partition
+from eagle_assets_tests.servers.stub_server import StubServer, serve_stub_in_thread
+from eagle_assets.storage.shards import read_shards, shard_paths
+from eagle_assets.tokenized_prompts.write import TOKENIZED_SCHEMA, tokenize_partition
 from test_generation_live import PROFILE as STUB_PROFILE, STOP, THINK_END, VOCAB as STUB_VOCAB
 from test_quality_fuzz_replies import BLANK, CONTROL, VOCAB
 from test_quality_qc_pass import PROFILE, _random_rows
@@ -282,7 +282,7 @@ def test_tokenize_pass_with_worker_processes_writes_the_files_of_one_process(sha
 
 
 def test_default_workers_stays_in_process_for_small_partitions_and_small_machines():
-    from eagle_assets.tokenize_pass import MIN_CPUS_FOR_WORKERS, MIN_RECORDS_PER_WORKER, default_workers
+    from eagle_assets.tokenized_prompts.write import MIN_CPUS_FOR_WORKERS, MIN_RECORDS_PER_WORKER, default_workers
 
     big = 10 * MIN_RECORDS_PER_WORKER
     assert default_workers(big, cpus=MIN_CPUS_FOR_WORKERS - 1) == 1  # one process, rendering and encoding overlapped
@@ -370,7 +370,7 @@ def test_generation_from_a_prompts_file_streams_resumes_per_shard_and_matches_qc
 
 
 def test_shards_written_through_numpy_equal_what_table_from_pylist_writes():
-    from eagle_assets.generation import _generation_table
+    from eagle_assets.generations.run import _generation_table
 
     rng = random.Random(3)
     rows = [{"sample_id": f"s{i}", "output_ids": [rng.randrange(0, 2**31 - 1) for _ in range(rng.randrange(0, 30))],
@@ -381,8 +381,8 @@ def test_shards_written_through_numpy_equal_what_table_from_pylist_writes():
 
 
 def test_reply_shape_gives_long_tailed_qwen3_replies_that_qc_keeps():
-    from eagle_assets.quality.segment import segment_row
-    from eagle_assets.serving.stub_server import ReplyShape
+    from eagle_assets.structure.segment import segment_row
+    from eagle_assets_tests.servers.stub_server import ReplyShape
     from eagle_assets.target_model.profile import FamilyProfile
 
     shape = ReplyShape(think_start_id=4, think_end_id=3, stop_id=2, median=200, sigma=0.6, cap_share=0.02)

@@ -30,7 +30,7 @@ from eagle_assets.assets.qc import QC_SCHEMA, QC_STATUS_FILE
 from eagle_assets.assets.training import is_holdout, mixed_training_rows
 from eagle_assets.definitions import build_definitions
 from eagle_assets.exports import SPECFORGE, SPECULATORS, ExportError, export_mixed_rows, verify_export
-from eagle_assets.storage import shard_paths, write_json_atomic
+from eagle_assets.storage.shards import shard_paths, write_json_atomic
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAINER_PACKAGES = ("speculators==0.9.0", "specforge==0.2.0")

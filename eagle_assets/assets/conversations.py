@@ -1,7 +1,7 @@
 """``generations`` of a partition with prompt policy ``all_turns``: every assistant turn regenerated on-policy.
 
 Called by the ``generations`` asset (``assets.generation``) for such partitions; the loop, the turn tables and the
-end reasons are ``conversation.rollout``'s. The conversations are ``raw_prompts`` rows whose turn 1
+end reasons are ``generations.rollout``'s. The conversations are ``raw_prompts`` rows whose turn 1
 ``tokenized_prompts`` accepted (its rejects stay rejects); every later turn is rendered, and may be refused, in the
 rollout. Metadata: the generation figures plus ``rows_by_turn``, ``turns_per_conversation``, ``ends_by_turn`` (end
 reasons per turn) and ``rows_by_thinking``; the live monitor's figures carry ``by_turn`` and ``by_thinking``.
@@ -17,7 +17,7 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from eagle_assets.assets.versions import directory_content_version, record_generation_inputs
-from eagle_assets.generation import FAILURES_FILE, LIVE_STATS_FILE, PartitionBusyError
+from eagle_assets.generations.run import FAILURES_FILE, LIVE_STATS_FILE, PartitionBusyError
 
 
 def _conversations(layout, key: str) -> tuple[list[tuple[str, list]], dict[str, object]]:
@@ -37,10 +37,10 @@ def conversation_generations(context: dg.AssetExecutionContext, settings, target
     Raises ``dg.Failure`` when another run generates the partition, or when the live monitor stopped the run
     (the turns generated are kept; rerunning resumes at the next turn).
     """
-    from eagle_assets.assets.generation import _live_metadata, _stopped_failure
+    from eagle_assets.assets.live_reporting import live_metadata, stopped_failure
     from eagle_assets.assets.qc import blank_token_ids
-    from eagle_assets.conversation.rollout import CONVERSATIONS_FILE, TURNS_FILE, RolloutSettings, run_conversations
-    from eagle_assets.quality.live import LiveQualityMonitor
+    from eagle_assets.generations.rollout import CONVERSATIONS_FILE, TURNS_FILE, RolloutSettings, run_conversations
+    from eagle_assets.qc.live import LiveQualityMonitor
     from eagle_assets.serving.client import GenerateClient
     from eagle_assets.serving.protocol import SamplingParams
     from eagle_assets.target_model.profile import detect_profile, target_vocab_size
@@ -97,9 +97,9 @@ def conversation_generations(context: dg.AssetExecutionContext, settings, target
         context.log.warning(f"{stats.failed} turn requests failed after retries; see {out / FAILURES_FILE}")
     live = {}
     if stats.stopped_early:
-        raise _stopped_failure(key, stats, out, stats.monitor)
+        raise stopped_failure(key, stats, out, stats.monitor)
     if monitors and (out / LIVE_STATS_FILE).exists():
-        live = _live_metadata(json.loads((out / LIVE_STATS_FILE).read_text()), out / LIVE_STATS_FILE)
+        live = live_metadata(json.loads((out / LIVE_STATS_FILE).read_text()), out / LIVE_STATS_FILE)
     summary = stats.summary()
     by_thinking = Counter(pq.read_table(out / TURNS_FILE, columns=["thinking"]).column("thinking").to_pylist()) \
         if (out / TURNS_FILE).exists() else Counter()

@@ -1,23 +1,23 @@
 """Asset ``generations``: SGLang ``/generate`` replies for every tokenized prompt, resumable by sample id.
 
-While it generates, a ``LiveQualityMonitor`` (``quality.live``) keeps the partition's running quality figures:
+While it generates, a ``LiveQualityMonitor`` (``qc.live``) keeps the partition's running quality figures:
 ``live_stats.json`` beside the shards, a summary line in the run log at most every ``live.log_every_s`` seconds,
 WARN lines for thresholds broken early, and, with ``live.fail_fast``, an early stop that fails the asset while
 keeping every row generated.
 """
 
 
-from pathlib import Path
 
 import dagster as dg
 
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.versions import (directory_content_version, generation_fingerprint,
                                           generation_inputs_changed, record_generation_inputs)
-from eagle_assets.generation import FAILURES_FILE, LIVE_STATS_FILE, PartitionBusyError, run_generation
-from eagle_assets.prompts_file import PromptsFile
-from eagle_assets.storage import read_done_ids
-from eagle_assets.serving.resource import SGLangServerResource
+from eagle_assets.generations.run import FAILURES_FILE, LIVE_STATS_FILE, PartitionBusyError, run_generation
+from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
+from eagle_assets.storage.shards import read_done_ids
+from eagle_assets.assets.server_resource import SGLangServerResource
+from eagle_assets.assets.live_reporting import live_metadata, stopped_failure
 
 
 # rows per generations shard: ~1,000-token replies make shards of a few MB (a 1M-row partition: ~1,000 shards);
@@ -29,32 +29,6 @@ class GenerationRunConfig(dg.Config):
     """Run config of ``generations``."""
 
     regenerate: bool = False  # drop this partition's existing shards and generate everything again
-
-
-def _live_metadata(snapshot: dict, path: Path) -> dict:
-    """Run metadata of the last live snapshot: level, the main figures (JSON) and the live_stats.json path."""
-    keys = ("rows", "rows_this_run", "kept", "dropped", "completion_tokens", "reasoning_tokens", "answer_tokens",
-            "share_under_short", "share_truncated", "share_dropped", "share_by_reason", "stopped")
-    return {
-        "live_level": snapshot["level"],
-        "live_figures": dg.MetadataValue.json({k: snapshot[k] for k in keys}),
-        "live_alarms": dg.MetadataValue.json([a["message"] for a in snapshot["alarms"]]),
-        "live_stats_path": dg.MetadataValue.path(str(path)),
-    }
-
-
-def _stopped_failure(key: str, stats, out: Path, monitor) -> dg.Failure:
-    stop = monitor.stop
-    description = (
-        f"generation of partition {key} was stopped early by live quality monitoring: {stop.message()}. "
-        f"The {stats.succeeded + stats.skipped_done} rows generated so far are kept in {out} and {stats.not_sent} "
-        f"prompts were not sent. Fix the server, chat template or sampling settings, then materialize again: it "
-        f"resumes from the kept rows (run config regenerate: true drops them first, since they count in the "
-        f"partition's figures), or set partitions.{key}.live.fail_fast: false in the catalog to generate every "
-        f"prompt anyway. Running figures: {out / LIVE_STATS_FILE}"
-    )
-    return dg.Failure(description=description, metadata=_live_metadata(monitor.snapshot(), out / LIVE_STATS_FILE),
-                      allow_retries=False)
 
 
 def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDefinition]:
@@ -76,7 +50,7 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
     ) -> dg.MaterializeResult:
         """Raw output_ids + finish_reason from SGLang's native /generate; append-only shards, failures recorded."""
         from eagle_assets.assets.qc import blank_token_ids
-        from eagle_assets.quality.live import LiveQualityMonitor
+        from eagle_assets.qc.live import LiveQualityMonitor
         from eagle_assets.serving.client import GenerateClient
         from eagle_assets.serving.protocol import SamplingParams
         from eagle_assets.target_model.profile import detect_profile, target_vocab_size
@@ -101,7 +75,7 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
             from eagle_assets.assets.conversations import conversation_generations
 
             return conversation_generations(context, settings, target, sglang, out, fingerprint, regenerate)
-        # read lazily (prompts_file): sample ids up front, prompt ids a row group at a time as requests go out
+        # read lazily (tokenized_prompts.prompts_file): sample ids up front, prompt ids a row group at a time as requests go out
         prompts = PromptsFile(layout.stage_dir("tokenized_prompts", key) / "prompts.parquet")
         model_dir = target.resolve()
         tokenizer = load_tokenizer(model_dir)
@@ -151,8 +125,8 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         if stats.failed:
             context.log.warning(f"{stats.failed} requests failed after retries; see {out / FAILURES_FILE}")
         if stats.stopped_early:
-            raise _stopped_failure(key, stats, out, monitor)
-        live = _live_metadata(monitor.snapshot(), out / LIVE_STATS_FILE) if monitor is not None else {}
+            raise stopped_failure(key, stats, out, monitor)
+        live = live_metadata(monitor.snapshot(), out / LIVE_STATS_FILE) if monitor is not None else {}
         return dg.MaterializeResult(
             data_version=dg.DataVersion(directory_content_version(out, ("shard-*.parquet",))),
             metadata={

@@ -7,17 +7,17 @@ import dagster as dg
 
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.versions import directory_content_version
-from eagle_assets.formats.rows import RAW_SCHEMA, REJECT_SCHEMA  # noqa: F401
-from eagle_assets.raw_prompts_pass import write_raw_prompts
-from eagle_assets.tokenize_pass import TOKENIZED_SCHEMA, tokenize_partition  # noqa: F401
+from eagle_assets.raw_prompts.rows import RAW_SCHEMA, REJECT_SCHEMA  # noqa: F401
+from eagle_assets.raw_prompts.write import write_raw_prompts
+from eagle_assets.tokenized_prompts.write import TOKENIZED_SCHEMA, tokenize_partition  # noqa: F401
 
-# RAW_SCHEMA and REJECT_SCHEMA (raw_prompts' prompt and reject rows) live in eagle_assets.formats.rows.
-# TOKENIZED_SCHEMA (tokenized_prompts' rows) lives in eagle_assets.tokenize_pass, which writes them.
+# RAW_SCHEMA and REJECT_SCHEMA (raw_prompts' prompt and reject rows) live in eagle_assets.raw_prompts.rows.
+# TOKENIZED_SCHEMA (tokenized_prompts' rows) lives in eagle_assets.tokenized_prompts.write, which writes them.
 
 
 def _first_mode(spec):
-    # all_turns renders turn 1 here with its first thinking mode; conversation.rollout renders every turn and mode
-    from eagle_assets.conversation.walk import thinking_modes
+    # all_turns renders turn 1 here with its first thinking mode; generations.rollout renders every turn and mode
+    from eagle_assets.tokenized_prompts.walk import thinking_modes
 
     return thinking_modes(spec.enable_thinking)[0][1]
 
@@ -41,14 +41,14 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
     def raw_prompts(context: dg.AssetExecutionContext, settings: PipelineSettings):
         """Normalized conversations of one dataset partition; every malformed record goes to rejects.parquet with a
         reason (one bad record, whatever it holds, costs only itself); an empty source gives zero rows. A chunk of a
-        dataset keeps the dataset's rows that fall in it (``raw_prompts_pass``: its rejects are all in chunk 0)."""
+        dataset keeps the dataset's rows that fall in it (``raw_prompts.write``: its rejects are all in chunk 0)."""
         key = context.partition_key
         spec = settings.catalog().partition(key)
         out = settings.layout().stage_dir("raw_prompts", key)
         sources = spec.resolved_sources()
         for path, fmt in sources:
             context.log.info(f"reading {path} as {fmt}")
-        # one streaming pass (raw_prompts_pass): compact duplicate ids, a bounded sample selection, row groups
+        # one streaming pass (raw_prompts.write): compact duplicate ids, a bounded sample selection, row groups
         # written as they come, so memory does not grow with the partition
         chunk = (spec.chunk, spec.chunks) if spec.chunk is not None else None
         result = write_raw_prompts(spec.dataset, sources, spec.prompt_policy, out, seed=spec.seed, limit=spec.limit,
@@ -105,7 +105,7 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         tokenizer = load_tokenizer(target.resolve())
         profile = detect_profile(tokenizer, catalog.target.profile or None)
         out = layout.stage_dir("tokenized_prompts", key)
-        # record batches in, one row group per batch out (tokenize_pass): memory does not grow with the partition
+        # record batches in, one row group per batch out (tokenized_prompts.write): memory does not grow with the partition
         result = tokenize_partition(layout.stage_dir("raw_prompts", key) / "prompts.parquet", out, tokenizer,
                                     profile, enable_thinking=_first_mode(spec),
                                     max_prompt_tokens=spec.max_prompt_tokens,

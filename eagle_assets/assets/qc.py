@@ -21,12 +21,12 @@ import pyarrow.parquet as pq
 
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.versions import directory_content_version
-from eagle_assets.quality.dataset_checks import dataset_checks
-from eagle_assets.quality.lengths import format_table, length_report as compute_length_report
-from eagle_assets.quality.qc_pass import QC_SCHEMA, QC_SKIP_REASONS, ROWS_SCHEMA, qc_partition  # noqa: F401
-from eagle_assets.quality.segment import DROP_REASONS, FLAGS
-from eagle_assets.quality.thresholds import Outcome, evaluate_token_structure, reason_levels
-from eagle_assets.storage import shard_paths, write_json_atomic, write_parquet_atomic
+from eagle_assets.qc.dataset_checks import dataset_checks
+from eagle_assets.qc.lengths import format_table, length_report as compute_length_report
+from eagle_assets.qc.qc_pass import QC_SCHEMA, QC_SKIP_REASONS, ROWS_SCHEMA, qc_partition  # noqa: F401
+from eagle_assets.structure.segment import DROP_REASONS, FLAGS
+from eagle_assets.qc.thresholds import Outcome, evaluate_token_structure, reason_levels
+from eagle_assets.storage.shards import shard_paths, write_json_atomic, write_parquet_atomic
 
 QC_STATUS_FILE = "qc_status.json"
 ROWS_FILE = "rows.parquet"
@@ -102,7 +102,7 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
     )
     def qc_shards(context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel):
         """Training rows input_ids = prompt_ids + output_ids with loss_mask; broken rows dropped with a named reason."""
-        from eagle_assets.prompts_file import PromptsFile
+        from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
         from eagle_assets.target_model.profile import detect_profile, target_vocab_size
         from eagle_assets.target_model.render import control_token_ids, opens_think_block
         from eagle_assets.target_model.tokenizer import load_tokenizer
@@ -119,12 +119,12 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
         # QC holds every row to the client's rules itself: shards may come from any producer
         vocab_size = target_vocab_size(model_dir, tokenizer)
         control = control_token_ids(tokenizer)
-        # shard by shard and batch by batch (quality.qc_pass): shards of other producers may differ in columns and
+        # shard by shard and batch by batch (qc.qc_pass): shards of other producers may differ in columns and
         # types (int64 ids, no matched_stop); each row is held to the rules on its own
-        # the prompts a row group at a time (prompts_file): their ids never all in memory
+        # the prompts a row group at a time (tokenized_prompts.prompts_file): their ids never all in memory
         prompts = PromptsFile(layout.stage_dir("tokenized_prompts", key) / "prompts.parquet")
-        if spec.prompt_policy == "all_turns":  # one prompt per turn, rendered by conversation.rollout
-            from eagle_assets.conversation.rollout import turn_prompts
+        if spec.prompt_policy == "all_turns":  # one prompt per turn, rendered by generations.rollout
+            from eagle_assets.generations.rollout import turn_prompts
 
             prompts = turn_prompts(layout.stage_dir("generations", key))
         max_new = spec.sampling.max_new_tokens
@@ -150,7 +150,7 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
              **({"chunk": [spec.chunk, spec.chunks]} if spec.chunk is not None else {})},
             out / QC_STATUS_FILE,
         )
-        from eagle_assets.quality.plots import length_histogram_png, png_markdown  # matplotlib: ~0.7 s to import
+        from eagle_assets.figures.plots import length_histogram_png, png_markdown  # matplotlib: ~0.7 s to import
 
         png = length_histogram_png(
             {"reasoning": result.reasoning_tokens, "answer": result.answer_tokens, "total": result.completion_tokens},
@@ -216,7 +216,7 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
             t = pq.read_table(f, columns=["partition", "completion_tokens"])
             if t.num_rows:
                 series.setdefault(t.column("partition")[0].as_py(), []).extend(t.column("completion_tokens").to_pylist())
-        from eagle_assets.quality.plots import length_histogram_png, png_markdown
+        from eagle_assets.figures.plots import length_histogram_png, png_markdown
 
         png = length_histogram_png(series, "completion tokens by partition", short_tokens=short)
         (out / "lengths.png").write_bytes(png)
@@ -241,11 +241,11 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
 
 
 def _by_turn_metadata(spec, qc_dir: Path, generations_dir: Path) -> dict:
-    """QC figures by thinking mode and turn of an ``all_turns`` partition (``conversation.report``); {} otherwise."""
+    """QC figures by thinking mode and turn of an ``all_turns`` partition (``qc.turn_report``); {} otherwise."""
     if spec.prompt_policy != "all_turns":
         return {}
-    from eagle_assets.conversation.report import qc_by_turn
-    from eagle_assets.conversation.rollout import TURNS_FILE
+    from eagle_assets.qc.turn_report import qc_by_turn
+    from eagle_assets.generations.rollout import TURNS_FILE
 
     return {"qc_by_turn": dg.MetadataValue.json(qc_by_turn(qc_dir / "rows.parquet", generations_dir / TURNS_FILE))}
 
@@ -253,8 +253,8 @@ def _by_turn_metadata(spec, qc_dir: Path, generations_dir: Path) -> dict:
 def _turn_length_report(catalog, layout, out: Path, short: int) -> dict:
     """The length table by thinking mode and turn of the ``all_turns`` partitions: ``report_by_turn.md`` beside
     the report, and its metadata entry ({} when no partition has turns)."""
-    from eagle_assets.conversation.report import format_turn_table, turn_length_report
-    from eagle_assets.conversation.rollout import TURNS_FILE
+    from eagle_assets.qc.turn_report import format_turn_table, turn_length_report
+    from eagle_assets.generations.rollout import TURNS_FILE
 
     pairs = [(layout.stage_dir("qc_shards", k) / ROWS_FILE, layout.stage_dir("generations", k) / TURNS_FILE)
              for d, p in catalog.partitions.items() if p.prompt_policy == "all_turns"
@@ -272,7 +272,7 @@ def passing_partitions(settings: PipelineSettings) -> tuple[list[str], dict[str,
 
     A dataset that is not chunked passes by its one partition's ``qc_status.json``. A chunked dataset needs QC
     shards of every chunk (each QC'd as the chunk the catalog now names) and passes by the checks over all of its
-    chunks' rows (``quality.dataset_checks``: the figures an unchunked run of the dataset would check, so it trains
+    chunks' rows (``qc.dataset_checks``: the figures an unchunked run of the dataset would check, so it trains
     exactly when the unchunked dataset would); a single chunk's failed check does not exclude it by itself.
     """
     import json
@@ -344,7 +344,7 @@ def build_dataset_assets(catalog, partitions_def: dg.PartitionsDefinition) -> li
     )
     def dataset_qc(context: dg.AssetExecutionContext, settings: PipelineSettings):
         """A chunked dataset's QC over all its chunks: the blocking checks' figures of its union of QC rows
-        (``quality.dataset_checks``), the rows and shards of each chunk, and ``qc_status.json``."""
+        (``qc.dataset_checks``), the rows and shards of each chunk, and ``qc_status.json``."""
         dataset = context.partition_key
         catalog = settings.catalog()
         layout = settings.layout()

@@ -8,7 +8,7 @@ from pathlib import Path
 import dagster as dg
 
 from eagle_assets.catalog import Catalog, load_catalog
-from eagle_assets.storage import Layout
+from eagle_assets.storage.shards import Layout
 
 
 @lru_cache(maxsize=8)

@@ -118,10 +118,3 @@ def build_inputs_sensor(partition_keys: list[str]) -> dg.SensorDefinition:
         return dg.SensorResult(skip_reason=dg.SkipReason(reason), cursor=cursor)
 
     return inputs_sensor
-
-
-def build_sensors(partition_keys: list[str]) -> list[dg.SensorDefinition]:
-    """The sensors of a catalog's Definitions: ``inputs_sensor`` and the ``automation_sensor``."""
-    from eagle_assets.assets.automation import build_automation_sensor
-
-    return [build_inputs_sensor(partition_keys), build_automation_sensor()]

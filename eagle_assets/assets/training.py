@@ -6,8 +6,10 @@ import json
 import time
 from collections import Counter
 from concurrent.futures import wait as futures_wait
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import numpy as np
@@ -15,9 +17,9 @@ import pyarrow.parquet as pq
 
 from eagle_assets.assets.qc import dataset_shard_paths, passing_partitions
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
-from eagle_assets.serving.resource import SGLangServerResource
-from eagle_assets.provenance import write_provenance
-from eagle_assets.storage import write_json_atomic
+from eagle_assets.assets.server_resource import SGLangServerResource
+from eagle_assets.assets.provenance import write_provenance
+from eagle_assets.storage.shards import write_json_atomic
 
 
 def _holdout_rank(sample_id: str, seed: int) -> float:
@@ -40,7 +42,7 @@ SPLITS = ("train", "validation", "test")
 def row_splits(sample_ids: list[str], training) -> dict[str, str]:
     """``sample_id -> "train" | "validation" | "test"`` for one partition's QC rows.
 
-    The unit of the split is the conversation (``conversation.walk.conversation_id``): every turn row and both
+    The unit of the split is the conversation (``tokenized_prompts.walk.conversation_id``): every turn row and both
     thinking modes of one conversation land in the same split, so a held-out turn never has its own prompt or
     earlier turns in the training rows; a single-turn row is its own conversation. Held out (never trained on):
     every conversation :func:`is_holdout` puts under ``training.holdout_fraction``, at most
@@ -50,7 +52,7 @@ def row_splits(sample_ids: list[str], training) -> dict[str, str]:
     them) steer training; the rest are the acceptance check's test rows. The training rows are exactly those whose
     conversation :func:`is_holdout` leaves out, and validation never overlaps the test rows.
     """
-    from eagle_assets.conversation.walk import conversation_id
+    from eagle_assets.tokenized_prompts.walk import conversation_id
 
     conversation = {s: conversation_id(s) for s in sample_ids}
     ranked = sorted(set(conversation.values()), key=lambda c: (_holdout_rank(c, training.seed), c))
@@ -131,8 +133,11 @@ def target_vocab_size(model_dir: Path) -> int:
     return int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
 
 
-def build_training_assets() -> list:
-    """``draft_vocab``, ``drafter_checkpoint`` and the checkpoint's checks."""
+def build_training_assets(full_asset_graph: Callable[[], Any] | None = None) -> list:
+    """``draft_vocab``, ``drafter_checkpoint`` and the checkpoint's checks.
+
+    ``full_asset_graph``: returns the whole asset graph these assets are part of, for the checkpoint's provenance
+    in runs that have no repository (``execute_in_process``); ``build_definitions`` passes its own."""
 
     @dg.asset(group_name="drafter", deps=["qc_shards"], kinds={"numpy"})
     def draft_vocab(context: dg.AssetExecutionContext, settings: PipelineSettings,
@@ -188,8 +193,8 @@ def build_training_assets() -> list:
         import pyarrow as pa
 
         from eagle_assets.drafter.mix import build_mix, mix_png, mix_table_markdown
-        from eagle_assets.quality.plots import png_markdown
-        from eagle_assets.storage import write_parquet_atomic
+        from eagle_assets.figures.plots import png_markdown
+        from eagle_assets.storage.shards import write_parquet_atomic
 
         keys, excluded = passing_partitions(settings)
         if not keys:
@@ -199,8 +204,8 @@ def build_training_assets() -> list:
                 metadata={"excluded": dg.MetadataValue.json(excluded)},
             )
         spec = settings.catalog().training.mix
-        from eagle_assets.conversation.mix import build_turn_mix
-        from eagle_assets.conversation.rollout import turn_numbers
+        from eagle_assets.drafter.turn_mix import build_turn_mix
+        from eagle_assets.generations.rollout import turn_numbers
 
         # all_turns partitions are mixed by turn (training.mix.turn_weights); the others exactly as build_mix does
         turn_of = {(k, rid): t for k in keys for part in settings.catalog().dataset_partition_keys(k)
@@ -267,7 +272,7 @@ def build_training_assets() -> list:
         from eagle_assets.catalog import CatalogError
         from eagle_assets.drafter.vocab import draft_vocab_from_arrays
         from eagle_assets.formats import FormatError
-        from eagle_assets.quality.plots import png_markdown
+        from eagle_assets.figures.plots import png_markdown
         from transformers import AutoModelForCausalLM
 
         catalog = settings.catalog()
@@ -321,7 +326,7 @@ def build_training_assets() -> list:
         for note in result.notes:
             context.log.info(note)
         ckpt = Path(result.checkpoint_dir)
-        write_provenance(context, settings, ckpt)  # provenance.json: code, packages, catalog, inputs' versions, run
+        write_provenance(context, settings, ckpt, fallback_graph=full_asset_graph)  # provenance.json: code, packages, catalog, inputs' versions, run
         losses = [s.loss for s in result.steps]
         write_json_atomic(result.to_dict(), out / "training_metrics.json")
         png = curve_png(result.curve, result.steps, best_step=result.best_step if result.best_step >= 0 else
@@ -472,8 +477,8 @@ def torch_threads(n: int | None):
 
 def thinking_mode_groups(held) -> dict[str, list]:
     """Held-out ``(input_ids, loss_mask)`` rows by the thinking mode of their turn row id (``all_turns``
-    partitions: ``conversation.walk.parse_turn_row_id``); empty when no row names a mode other than "default"."""
-    from eagle_assets.conversation.walk import parse_turn_row_id
+    partitions: ``tokenized_prompts.walk.parse_turn_row_id``); empty when no row names a mode other than "default"."""
+    from eagle_assets.tokenized_prompts.walk import parse_turn_row_id
 
     out: dict[str, list] = {}
     for sample_id, ids, mask, _key in held:
@@ -490,7 +495,7 @@ def acceptance_check(t, heldout, unseen, missing: list[str], png_fn, unseen_note
     another source are expected to draft worse, and how much worse is the figure to read), and so is the held-out
     tau per thinking mode (``by_mode``: :class:`~eagle_assets.drafter.evaluation.GroupedAcceptance` by mode) where
     the rows carry one."""
-    from eagle_assets.quality.plots import png_markdown
+    from eagle_assets.figures.plots import png_markdown
 
     mean_tau, ci = heldout.mean_tau, heldout.mean_tau_ci95
     error_at, warn_under = 1.0 + t.min_tau_margin, t.tau_warn
@@ -595,8 +600,8 @@ def unseen_eval_rows(settings: PipelineSettings, target_model, model_dir: Path, 
     import pyarrow as pa
 
     from eagle_assets.drafter.evaluation import greedy_rows
-    from eagle_assets.formats.rows import collect_prompt_rows
-    from eagle_assets.storage import write_parquet_atomic
+    from eagle_assets.raw_prompts.rows import collect_prompt_rows
+    from eagle_assets.storage.shards import write_parquet_atomic
     from eagle_assets.target_model.profile import detect_profile
     from eagle_assets.target_model.render import RenderError, render_prompt
     from eagle_assets.target_model.tokenizer import load_tokenizer

@@ -176,7 +176,7 @@ def target_location(model: str, cache_root: str = "") -> tuple[Path | None, str 
     file of it; a local directory gives ``(path, None)``; anything else (a hub id) gives ``(None, None)``.
     """
     if model == "demo":
-        from eagle_assets.demo.build import demo_target_path, recipe_hash
+        from eagle_assets.demo.recipe import demo_target_path, recipe_hash
 
         root = Path(cache_root) if cache_root else None
         return demo_target_path(root), recipe_hash()
@@ -303,7 +303,7 @@ def generation_inputs_changed(out_dir: Path, fingerprint: dict) -> list[str]:
 
 def record_generation_inputs(out_dir: Path, fingerprint: dict) -> None:
     """Write ``fingerprint`` beside the shards (atomically), after a generation run that used it."""
-    from eagle_assets.storage import write_json_atomic
+    from eagle_assets.storage.shards import write_json_atomic
 
     write_json_atomic(fingerprint, Path(out_dir) / GENERATION_INPUTS_FILE)
 

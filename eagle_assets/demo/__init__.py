@@ -14,6 +14,10 @@ Public API::
 Kinds and partitions: tool -> B1_glaive, code -> B2_opencodeinstruct, math -> B4_mixturethoughts,
 reasoning -> B5_openthoughts. CLIs: ``python -m eagle_assets.demo.build``, ``python -m eagle_assets.demo.raw_samples``,
 ``python -m eagle_assets.demo.evaluate``.
+
+Modules, lowest first: ``transcripts`` and ``tokenizer`` (the synthetic data and its BPE), ``recipe`` (settings and
+hash), ``rows`` (encoded training rows and the step plan), ``gate_reference`` and ``gate`` (the quality gate),
+``trainer`` (one training worker), ``build`` (the cached, locked build), ``raw_samples`` and ``evaluate`` (CLIs).
 """
 
 import importlib
@@ -22,12 +26,12 @@ from typing import Any
 # Attribute -> defining submodule. Resolved lazily so that importing the package (or running one of its modules
 # with ``python -m``) does not import torch/transformers or the other submodules first.
 _EXPORTS = {
-    "DemoRecipe": "build",
+    "DemoRecipe": "recipe",
     "DemoTargetRejected": "build",
     "build_demo_target": "build",
-    "default_cache_root": "build",
-    "demo_target_path": "build",
-    "recipe_hash": "build",
+    "default_cache_root": "recipe",
+    "demo_target_path": "recipe",
+    "recipe_hash": "recipe",
     "write_raw_samples": "raw_samples",
     "KINDS": "transcripts",
     "DemoSample": "transcripts",

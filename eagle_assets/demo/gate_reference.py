@@ -31,7 +31,7 @@ from typing import Any
 
 REFERENCE_FILE = "gate_reference.json"
 # Sources whose code decides the gate's replies or verdicts (besides the weights and the prompts).
-_GATE_SOURCES = (("eagle_assets.demo", "evaluate.py"), ("eagle_assets.serving", "engine.py"))
+_GATE_SOURCES = (("eagle_assets.demo", "gate.py"), ("eagle_assets.serving", "engine.py"))
 
 
 def default_reference_path() -> Path:

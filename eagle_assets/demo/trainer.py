@@ -50,9 +50,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-SHARDS = 2
-# Workers that may add their shard gradients with one all-reduce: one (both shards in turn) or SHARDS.
-WORLD_SIZES = (1, SHARDS)
+from eagle_assets.demo.recipe import SHARDS, WORLD_SIZES
 
 
 def _log(rank: int, msg: str) -> None:
@@ -202,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 def _gate_share(model_dir: Path, gate: dict[str, Any], rank: int, world: int, work: Path) -> None:
     """Greedy replies to prompts ``rank::world`` of the gate, as the embedded server generates them (float64, so
     which prompts share a batch does not change any reply)."""
-    from eagle_assets.demo.evaluate import generate_replies
+    from eagle_assets.demo.gate import generate_replies
     from eagle_assets.serving.engine import load_causal_lm
 
     t0, cpu0 = time.monotonic(), time.process_time()

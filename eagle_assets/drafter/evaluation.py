@@ -164,7 +164,7 @@ def served_greedy_rows(client: Any, prompts: Sequence[Sequence[int]], max_new_to
 
 def acceptance_png(results: Mapping[str, AcceptanceResult], title: str = "per-position acceptance") -> bytes:
     """PNG: for each named result, the share of verifications whose first ``j`` drafts were all accepted."""
-    from eagle_assets.quality.plots import figure_png, plt
+    from eagle_assets.figures.plots import figure_png, plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.0), dpi=80)
     for name, r in results.items():

@@ -101,7 +101,7 @@ def curve_png(points: Sequence[CurvePoint], steps: Sequence[StepMetrics], best_s
     Args:
         points: the evaluations, in order; steps: every optimizer step (its loss is drawn faintly).
     """
-    from eagle_assets.quality.plots import figure_png, plt
+    from eagle_assets.figures.plots import figure_png, plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.2), dpi=80)
     tokens, done = [], 0

@@ -231,7 +231,7 @@ def mix_table_markdown(result: MixResult) -> str:
 
 def mix_png(result: MixResult) -> bytes:
     """Stacked bars of tokens per partition and bucket, before and after (PNG bytes, matplotlib Agg)."""
-    from eagle_assets.quality.plots import figure_png, plt
+    from eagle_assets.figures.plots import figure_png, plt
 
     parts = list(result.before)
     fig, axes = plt.subplots(1, 2, figsize=(8.0, 3.2), dpi=80, sharey=True)

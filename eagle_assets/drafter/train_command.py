@@ -68,7 +68,7 @@ def write_training_inputs(path: str | Path, rows: Sequence[Row], validation: Seq
         features: the resolved ``catalog.FeaturesSpec`` (written as ``features.json``); None or ``local`` = none
             written (and a stale one removed).
     """
-    from eagle_assets.storage import write_json_atomic, write_parquet_atomic
+    from eagle_assets.storage.shards import write_json_atomic, write_parquet_atomic
 
     out = Path(path)
     (out / VOCAB_DIR).mkdir(parents=True, exist_ok=True)

@@ -152,7 +152,7 @@ def count_completion_tokens_in_shards(
     paths: Iterable, target_vocab_size: int, include: Callable[[list[str]], np.ndarray] | None = None,
     batch_rows: int = 4096,
 ) -> tuple[np.ndarray, int]:
-    """``count_completion_tokens`` by a streaming pass over QC shards (``quality.qc_pass.QC_SCHEMA`` Parquet files):
+    """``count_completion_tokens`` by a streaming pass over QC shards (``qc.qc_pass.QC_SCHEMA`` Parquet files):
     one record batch of ``batch_rows`` rows in memory at a time, counted over the flat ``input_ids`` / ``loss_mask``
     arrays (no per-row Python).
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from eagle_assets.exports.formats import TrainerFormat
-from eagle_assets.storage import write_json_atomic, write_parquet_atomic
+from eagle_assets.storage.shards import write_json_atomic, write_parquet_atomic
 
 RECORD_KEYS: tuple[str, ...] = ("input_ids", "loss_mask", "partition", "sample_id")
 REJECT_REASONS: dict[str, str] = {

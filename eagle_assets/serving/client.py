@@ -19,7 +19,7 @@ by ``parse_reply``). Transport choices and why:
 - The API key is read from the environment variable named by ``api_key_env`` and sent as
   ``Authorization: Bearer``; it never appears in errors, logs or ``repr``: error texts are redacted, since they
   quote server replies and a misbehaving proxy may echo the request's headers back.
-- ``run_sync`` (used by ``generate_all`` and ``eagle_assets.generation.run_generation``) runs the loop on uvloop when
+- ``run_sync`` (used by ``generate_all`` and ``eagle_assets.generations.run.run_generation``) runs the loop on uvloop when
   it is installed. Measured with ``bench/bench_client.py`` (1,000-token replies, one process): about 2,500
   validated requests/s on a free core, 2-4x a thread pool of blocking clients.
 """
@@ -42,7 +42,7 @@ from typing import Any, Callable, Collection, Iterable, Sequence
 import aiohttp
 import orjson
 
-from eagle_assets.quality.running import DurationSketch
+from eagle_assets.figures.running import DurationSketch
 from eagle_assets.serving.protocol import GenerateFailure, GenerateReply, ReplyError, SamplingParams, parse_reply
 
 Result = GenerateReply | GenerateFailure
@@ -77,7 +77,7 @@ class ClientStats:
 
     def summary(self) -> dict[str, Any]:
         """Flat dict: counts, requests/s, latency p50/p99 in ms."""
-        lat = self.latencies_s  # quantiles within 0.5% (quality.running.DurationSketch)
+        lat = self.latencies_s  # quantiles within 0.5% (figures.running.DurationSketch)
 
         def q(p: float) -> float:
             return round(1000.0 * lat.at(min(len(lat) - 1, int(p * (len(lat) - 1) + 0.5))), 2) if len(lat) else 0.0

@@ -28,7 +28,7 @@ Sources (sgl-project/sglang):
 
 The rules a stored row must also pass (ids in the vocab, the counts, the prompt echo, the cap, the matched stop id)
 are implemented once here (``reply_defect``, ``stop_mismatch``) and applied by ``parse_reply`` to every reply and
-by ``quality.segment.segment_output`` to every row of a generations shard, whoever wrote it.
+by ``structure.segment.segment_output`` to every row of a generations shard, whoever wrote it.
 """
 
 from __future__ import annotations

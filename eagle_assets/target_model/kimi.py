@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from eagle_assets.target_model.tokenizer import TokenizerLoadError
+from eagle_assets.target_model.tokenizer_errors import TokenizerLoadError
 
 # tokenization_kimi.py, TikTokenTokenizer.pat_str (identical for Kimi-K2, K2-Thinking, K2.5).
 KIMI_PAT_STR = "|".join(

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eagle_assets.target_model.kimi import load_kimi_tokenizer
+from eagle_assets.target_model.tokenizer_errors import TokenizerLoadError
 
-class TokenizerLoadError(RuntimeError):
-    """The tokenizer cannot be loaded from local files; the message says what to provide."""
+__all__ = ["TokenizerLoadError", "load_kimi_tokenizer", "load_tokenizer"]
 
 
 def load_tokenizer(path_or_name: str | Path) -> Any:
@@ -25,8 +26,6 @@ def load_tokenizer(path_or_name: str | Path) -> Any:
     path = Path(str(path_or_name)).expanduser()
     if path.is_dir():
         if (path / "tiktoken.model").is_file() and not (path / "tokenizer.json").is_file():
-            from eagle_assets.target_model.kimi import load_kimi_tokenizer
-
             return load_kimi_tokenizer(path)
         try:
             return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
@@ -41,10 +40,3 @@ def load_tokenizer(path_or_name: str | Path) -> Any:
             f"{path_or_name!r}: not a local directory and not in the local Hugging Face cache ({type(e).__name__}); "
             f"download it first (huggingface-cli download {path_or_name}) or set target.model to a local model dir"
         ) from None
-
-
-def load_kimi_tokenizer(model_dir: str | Path, chat_template_path: str | Path | None = None) -> Any:
-    """Kimi-K2/K2.5 tokenizer from ``tiktoken.model``; see :func:`eagle_assets.target_model.kimi.load_kimi_tokenizer`."""
-    from eagle_assets.target_model.kimi import load_kimi_tokenizer as build
-
-    return build(model_dir, chat_template_path)

@@ -2,11 +2,11 @@
 
 A dataset split into chunks (catalog ``chunks: N``) is QC'd chunk by chunk: each ``qc_shards`` partition checks its
 own rows. Its thresholds are the dataset's, so the figures that decide whether the dataset trains are taken over
-the union of its chunks' ``rows.parquet`` (``quality.qc_pass.ROWS_SCHEMA``: one row per segmented generation, its
+the union of its chunks' ``rows.parquet`` (``qc.qc_pass.ROWS_SCHEMA``: one row per segmented generation, its
 ``drop_reason``, ``completion_tokens`` and ``finish_reason``). They are the figures the unchunked dataset's own
 ``qc_shards`` checks would compute, bit for bit: the same rows (chunks are disjoint, their union is the dataset),
-the same counts, and the same exact length histogram (``quality.running.LengthHistogram``: ``statistics.median``
-and the index rule for p10) judged by the same rules (``quality.thresholds``). Memory: one record batch of four
+the same counts, and the same exact length histogram (``figures.running.LengthHistogram``: ``statistics.median``
+and the index rule for p10) judged by the same rules (``qc.thresholds``). Memory: one record batch of four
 small columns at a time and one counter per token length, whatever the dataset's size.
 """
 
@@ -20,8 +20,8 @@ from typing import Any, Sequence
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle_assets.quality.running import LengthHistogram
-from eagle_assets.quality.thresholds import Outcome, _get, response_length_outcome, token_structure_outcome
+from eagle_assets.figures.running import LengthHistogram
+from eagle_assets.qc.thresholds import Outcome, threshold_value, response_length_outcome, token_structure_outcome
 
 COLUMNS = ["completion_tokens", "finish_reason", "kept", "drop_reason"]
 
@@ -70,7 +70,7 @@ def dataset_checks(rows_files: Sequence[Path], thresholds: Any, batch_rows: int 
             n_file += batch.num_rows
         by_file[str(path)] = n_file
     n = hist.n
-    short = int(_get(thresholds, "short_tokens", 300) or 300)
+    short = int(threshold_value(thresholds, "short_tokens", 300) or 300)
     if n:
         length = response_length_outcome(n, hist.median(), hist.index_quantile(0.1), hist.below(short), truncated,
                                          thresholds)

@@ -1,8 +1,8 @@
 """Length and QC figures of ``all_turns`` partitions by thinking mode and turn index, computed by DuckDB.
 
-Inputs: a partition's QC rows (``qc_shards/<key>/rows.parquet``, ``quality.qc_pass.ROWS_SCHEMA``: one row per
+Inputs: a partition's QC rows (``qc_shards/<key>/rows.parquet``, ``qc.qc_pass.ROWS_SCHEMA``: one row per
 generated row, ``sample_id`` = the turn's row id) and its turn table (``generations/<key>/turns.parquet``,
-``conversation.rollout.TURN_SCHEMA``: row id -> sample id, thinking, turn), joined on the row id. Rows of
+``generations.rollout.TURN_SCHEMA``: row id -> sample id, thinking, turn), joined on the row id. Rows of
 single-turn partitions have no turn table and are not in these figures (the partition-wide length report has them).
 Units: tokens; shares are fractions 0..1 of the rows of the group (kept and dropped, so truncation shows).
 """

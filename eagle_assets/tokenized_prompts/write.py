@@ -5,7 +5,7 @@ bench and the tests run the same code. The raw prompts file is read ``batch_rows
 rendered by ``target_model.render.render_prompts`` (batched ``apply_chat_template`` calls, the texts tokenized in
 one batch encode) and written as one row group of ``prompts.parquet`` (``TOKENIZED_SCHEMA``) through one Parquet
 writer to a temp file that is renamed into place at the end, so readers see the old file or the whole new one.
-Rejected records go to ``rejects.parquet`` the same way. The row groups are what ``prompts_file.PromptsFile`` reads
+Rejected records go to ``rejects.parquet`` the same way. The row groups are what ``tokenized_prompts.prompts_file.PromptsFile`` reads
 one at a time downstream (generation requests, the live monitor, QC's join).
 
 In one process the pass runs as a two-stage pipeline: this thread renders batch k+1 through the chat template
@@ -34,9 +34,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_assets.formats.rows import REJECT_SCHEMA
-from eagle_assets.prompts_file import PROMPT_ROW_GROUP_ROWS
-from eagle_assets.quality.running import LengthHistogram
+from eagle_assets.raw_prompts.rows import REJECT_SCHEMA
+from eagle_assets.tokenized_prompts.prompts_file import PROMPT_ROW_GROUP_ROWS
+from eagle_assets.figures.running import LengthHistogram
 
 TOKENIZED_SCHEMA = pa.schema(
     [
@@ -94,7 +94,7 @@ class _AtomicParquet:
 
 
 def _turn_one(messages: list) -> list:
-    from eagle_assets.conversation.walk import first_turn_messages
+    from eagle_assets.tokenized_prompts.walk import first_turn_messages
 
     return first_turn_messages(messages)
 
@@ -263,12 +263,12 @@ def tokenize_partition(
     first_turn: bool = False,
     workers: int | None = None,
 ) -> TokenizeSummary:
-    """Render every record of ``raw_path`` (``formats.rows.RAW_SCHEMA``) into ``out_dir/prompts.parquet`` and
+    """Render every record of ``raw_path`` (``raw_prompts.rows.RAW_SCHEMA``) into ``out_dir/prompts.parquet`` and
     ``out_dir/rejects.parquet`` (``REJECT_SCHEMA``: ``target_model.render.RENDER_REASONS``), in record order.
 
     Args: tokenizer / profile / enable_thinking / max_prompt_tokens as in ``render_prompt``; ``batch_rows``: records
     rendered together, and the most rows of one row group; ``first_turn``: render only the messages before the
-    first assistant message (prompt policy ``all_turns``: turn 1 here, the later turns in ``conversation.rollout``);
+    first assistant message (prompt policy ``all_turns``: turn 1 here, the later turns in ``generations.rollout``);
     ``workers``: processes rendering batches (None: ``default_workers``; 1: this process only). The files are the
     same whatever the worker count (batches are written in file order).
     Returns: a ``TokenizeSummary``. Raises ``OSError`` for unreadable files; nothing is replaced then.

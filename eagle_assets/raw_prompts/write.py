@@ -3,7 +3,7 @@
 ``write_raw_prompts`` is the body of the ``raw_prompts`` asset (``assets.prompts``) without Dagster, so the bench and
 the tests run the same code. Memory does not grow with the rows' size:
 
-- records flow one at a time through ``formats.rows.iter_prompt_rows`` (which drops duplicates by a compact id
+- records flow one at a time through ``raw_prompts.rows.iter_prompt_rows`` (which drops duplicates by a compact id
   set, ``SeenIds``: ~20 bytes per distinct record); kept rows are spilled in batches of ``SPILL_ROWS`` to one
   temporary Parquet file per source (beside the output, removed at the end), rejects go straight to their writer;
 - the ``limit`` sample is the ``limit`` rows of smallest keyed hash ``sha256(f"{seed}:{sample_id}")`` (what the
@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_assets.formats.rows import KEPT, RAW_SCHEMA, REJECT_SCHEMA, _shown, iter_prompt_rows
+from eagle_assets.raw_prompts.rows import KEPT, RAW_SCHEMA, REJECT_SCHEMA, shown_path, iter_prompt_rows
 
 ROW_GROUP_ROWS = 8192  # ~12 MB of raw prompt rows (~1.5 KB each) buffered per row group
 SPILL_ROWS = 1024
@@ -275,7 +275,7 @@ def write_raw_prompts(
         if selected is not None:
             selected = selected[selected >= 0]  # sampled rows of other chunks
         prompts = _RowGroupWriter(out_dir / "prompts.parquet", RAW_SCHEMA)
-        shown = [_shown(p) for p, _ in sources]
+        shown = [shown_path(p) for p, _ in sources]
         order = sorted(range(len(spills)), key=lambda k: shown[k])  # stable: listing order among equal names
         for _, group in itertools.groupby(order, key=lambda k: shown[k]):
             group = [spills[k] for k in group if spills[k].rows]

@@ -5,8 +5,8 @@ reply back as ``{"reasoning_content", "content", "tool_calls"}`` and sends that 
 request; the server renders the next prompt from it with the chat template. To regenerate a conversation turn by
 turn on-policy, the pipeline does the same with the target's raw ``output_ids``:
 
-1. the reply is segmented by ``quality.segment.segment_row`` (the one set of token-structure rules QC and the live
-   monitor apply); a dropped reply is not parsed at all (the conversation ends there, see ``conversation.walk``);
+1. the reply is segmented by ``structure.segment.segment_row`` (the one set of token-structure rules QC and the live
+   monitor apply); a dropped reply is not parsed at all (the conversation ends there, see ``tokenized_prompts.walk``);
 2. the reasoning / answer cut is taken from that segmentation (its ``reasoning_tokens`` and flags; the answer's
    length is checked against its ``answer_tokens``, so the two can never disagree silently);
 3. the answer is split at the profile's tool-call marker ids: the text before the first outermost tool-call start
@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from eagle_assets.quality.segment import Segmentation
+from eagle_assets.structure.segment import Segmentation
 
 UNPARSEABLE_TOOL_CALL = "unparseable_tool_call"
 

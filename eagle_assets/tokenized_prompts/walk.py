@@ -16,7 +16,7 @@ assistant side is the model's: turn 1 is generated from everything before the da
   next user turn (with any system message beside it) is appended and the model answers it; when the dataset has no
   further user turn the conversation is ``complete``.
 
-A reply QC drops (``quality.segment``), a call that does not parse (``conversation.reply``), a prompt the
+A reply QC drops (``structure.segment``), a call that does not parse (``generations.reply``), a prompt the
 renderer refuses (``target_model.render``, e.g. ``prompt_too_long`` as the history grows) or ``max_turns`` also end
 the conversation; each end is one counted record with its turn and reason (``END_REASONS``).
 """

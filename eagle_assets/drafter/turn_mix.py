@@ -32,7 +32,7 @@ def build_turn_mix(candidates: Sequence[MixCandidate], spec: Any, partitions: Se
     Args:
         candidates, spec, partitions: as in ``build_mix``; ``spec.turn_weights``: {turn: weight} (may be empty).
         turn_of: (partition, sample_id) -> turn index, for the rows of ``all_turns`` partitions
-            (``conversation.rollout.turn_numbers``).
+            (``generations.rollout.turn_numbers``).
     Returns: ``MixResult`` whose ``selected`` carry their real partition, in training order.
     Raises: ``ValueError`` for a negative turn weight, and whatever ``build_mix`` raises.
     """

@@ -29,6 +29,7 @@ import platform
 import subprocess
 import sys
 from datetime import datetime, timezone
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,25 +151,27 @@ def run_identity(run: dg.DagsterRun) -> dict[str, Any]:
             "tags": tags, "command": [sys.executable, *sys.argv]}
 
 
-def full_asset_graph(context: dg.AssetExecutionContext, settings):
+def full_asset_graph(context: dg.AssetExecutionContext, fallback: Callable[[], Any] | None = None):
     """The whole asset graph of the run's code location: the repository's when the run has one (every launched run
-    does), else our definitions rebuilt for ``settings`` (``execute_in_process`` has no repository, and a job's own
-    asset layer holds only its assets' neighbourhood, not every ancestor)."""
+    does), else ``fallback()`` (``execute_in_process`` has no repository, and a job's own asset layer holds only its
+    assets' neighbourhood, not every ancestor: ``definitions.build_definitions`` passes its own Definitions' graph),
+    else that neighbourhood."""
     from dagster._check import CheckError
 
     try:
         return context.repository_def.asset_graph
     except CheckError:  # "No repository definition was set on the step context"
         pass
-    from eagle_assets.definitions import build_definitions
+    if fallback is not None:
+        return fallback()
+    return context.job_def.asset_layer.asset_graph
 
-    return build_definitions(settings.catalog_path, settings.storage_root, executor="in_process").resolve_asset_graph()
 
-
-def build_provenance(context: dg.AssetExecutionContext, settings, asset_graph=None) -> dict[str, Any]:
+def build_provenance(context: dg.AssetExecutionContext, settings, asset_graph=None,
+                     fallback_graph: Callable[[], Any] | None = None) -> dict[str, Any]:
     """The provenance document of the asset ``context`` materializes (see the module docstring); ``asset_graph``
-    defaults to :func:`full_asset_graph`."""
-    asset_graph = asset_graph if asset_graph is not None else full_asset_graph(context, settings)
+    defaults to :func:`full_asset_graph` (with ``fallback_graph``)."""
+    asset_graph = asset_graph if asset_graph is not None else full_asset_graph(context, fallback_graph)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -182,8 +185,10 @@ def build_provenance(context: dg.AssetExecutionContext, settings, asset_graph=No
     }
 
 
-def write_provenance(context: dg.AssetExecutionContext, settings, directory: Path, asset_graph=None) -> Path:
+def write_provenance(context: dg.AssetExecutionContext, settings, directory: Path, asset_graph=None,
+                     fallback_graph: Callable[[], Any] | None = None) -> Path:
     """Write :func:`build_provenance` to ``directory / provenance.json`` atomically; returns the path."""
-    from eagle_assets.storage import write_json_atomic
+    from eagle_assets.storage.shards import write_json_atomic
 
-    return write_json_atomic(build_provenance(context, settings, asset_graph), Path(directory) / PROVENANCE_FILE)
+    doc = build_provenance(context, settings, asset_graph, fallback_graph)
+    return write_json_atomic(doc, Path(directory) / PROVENANCE_FILE)

@@ -75,7 +75,7 @@ class Segmentation:
         return self.drop_reason is None
 
 
-def _tool_spans(ids: Sequence[int], starts: Sequence[int], ends: Sequence[int],
+def tool_spans(ids: Sequence[int], starts: Sequence[int], ends: Sequence[int],
                 positions: Sequence[int] | None = None) -> tuple[int, int, bool]:
     """(tokens inside outermost tool-call spans incl. markers, spans of the innermost pair, balanced?).
 
@@ -225,7 +225,7 @@ def segment_output(
         return drop("misplaced_think_start", len(reasoning), len(answer))
     if n_end > 1:
         return drop("multiple_think_end", len(reasoning), len(answer))
-    tool_tokens, n_calls, balanced = _tool_spans(answer, starts, ends)
+    tool_tokens, n_calls, balanced = tool_spans(answer, starts, ends)
     if not balanced:
         return drop("unbalanced_tool_call", len(reasoning), len(answer))
     if any(t in markers for t in reasoning):

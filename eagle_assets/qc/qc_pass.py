@@ -7,7 +7,7 @@ output_ids``, ``loss_mask`` 0 over the prompt, 1 over the output) are written to
 most ``rows_per_shard`` rows and about ``bytes_per_shard`` bytes of Arrow data each, every one atomically (temp file +
 ``os.replace``), streamed row group by row group; ``rows.parquet`` (one small row per generated row, for the
 checks and the length report) is written as it goes through one Parquet writer and renamed at the end. Memory: one
-record batch, a few row groups of the prompts (``prompts_file.PromptsFile``; a table passed in is held whole), per
+record batch, a few row groups of the prompts (``tokenized_prompts.prompts_file.PromptsFile``; a table passed in is held whole), per
 prompt its sample id, and per generated row a few bytes of figures (drop code, lengths) plus its sample id (for the
 duplicate rule), independent of the number of output tokens.
 """
@@ -26,10 +26,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle_assets.quality.segment import DROP_REASONS, FLAGS
-from eagle_assets.quality.segment_batch import KEPT, _FLAG_BIT, _FLAG_ORDER, _list_parts, segment_batch
-from eagle_assets.prompts_file import PromptsFile
-from eagle_assets.storage import shard_paths
+from eagle_assets.structure.segment import DROP_REASONS, FLAGS
+from eagle_assets.qc.segment_batch import KEPT, FLAG_BIT, FLAG_ORDER, list_parts, segment_batch
+from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
+from eagle_assets.storage.shards import shard_paths
 
 QC_SCHEMA = pa.schema(
     [
@@ -64,7 +64,7 @@ QC_SKIP_REASONS: tuple[str, ...] = ("stale_prompt", "duplicate_row")
 ROWS_PER_SHARD = 100_000
 BYTES_PER_SHARD = 256 * 1024 * 1024  # Arrow bytes of one shard's rows (input_ids + loss_mask dominate)
 BATCH_ROWS = 4096
-_FLAG_LISTS = [[f for f in _FLAG_ORDER if bits & _FLAG_BIT[f]] for bits in range(1 << len(FLAGS))]
+_FLAG_LISTS = [[f for f in FLAG_ORDER if bits & FLAG_BIT[f]] for bits in range(1 << len(FLAGS))]
 
 
 @dataclass
@@ -95,15 +95,15 @@ class QcSummary:
 
     def response_length(self, thresholds: Any):
         """The ``response_length`` outcome of every segmented row, the figures of
-        ``quality.thresholds.evaluate_response_length`` (same median, p10, share under ``short_tokens``, share
+        ``qc.thresholds.evaluate_response_length`` (same median, p10, share under ``short_tokens``, share
         truncated) from an exact length histogram and the finish-reason counts, without a list per row."""
-        from eagle_assets.quality.running import LengthHistogram
-        from eagle_assets.quality.thresholds import _get, response_length_outcome
+        from eagle_assets.figures.running import LengthHistogram
+        from eagle_assets.qc.thresholds import threshold_value, response_length_outcome
 
         n = int(self.completion_tokens.size)
         if not n:
             return response_length_outcome(0, 0.0, 0.0, 0, 0, thresholds)
-        short = int(_get(thresholds, "short_tokens", 300) or 300)
+        short = int(threshold_value(thresholds, "short_tokens", 300) or 300)
         hist = LengthHistogram()
         hist.add_many(self.completion_tokens)
         return response_length_outcome(n, float(hist.median()), hist.index_quantile(0.1), hist.below(short),
@@ -122,8 +122,8 @@ def _ragged(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def training_rows(sample_ids: pa.Array, prompt_ids: pa.Array, output_ids: pa.Array, seg, keep: np.ndarray) -> pa.Table:
     """``QC_SCHEMA`` rows of the ``keep`` rows (indices): ``input_ids = prompt_ids + output_ids`` (int32),
     ``loss_mask`` 0 over the prompt and 1 over the output (int8), spans and flags from ``seg``."""
-    p_vals, p_off, _ = _list_parts(prompt_ids)
-    o_vals, o_off, _ = _list_parts(output_ids)
+    p_vals, p_off, _ = list_parts(prompt_ids)
+    o_vals, o_off, _ = list_parts(output_ids)
     lp = (p_off[1:] - p_off[:-1])[keep]
     lo = (o_off[1:] - o_off[:-1])[keep]
     new_off = np.zeros(len(keep) + 1, dtype=np.int64)
@@ -237,7 +237,7 @@ def qc_partition(
     Args:
         generation_shards: Parquet files of ``generation.GENERATION_SCHEMA`` rows (other producers' columns and
             types are accepted: ``segment_batch`` falls back to the reference for odd types).
-        prompts: ``tokenized_prompts`` rows as a ``prompts_file.PromptsFile`` (read a row group at a time) or a
+        prompts: ``tokenized_prompts`` rows as a ``tokenized_prompts.prompts_file.PromptsFile`` (read a row group at a time) or a
             table: ``sample_id``, ``prompt_ids`` (list of int) and, when present, ``prompt_opens_think`` (bool;
             absent = ``target_model.render.opens_think_block`` of the ids).
         out_dir: where ``shard-NNNNN.parquet`` (``QC_SCHEMA``) and ``rows.parquet`` (``ROWS_SCHEMA``) go.

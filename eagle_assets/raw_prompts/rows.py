@@ -1,7 +1,7 @@
 """The rows ``raw_prompts`` stores: every record of a partition's sources as a kept prompt row or a reject row.
 
 ``iter_prompt_rows`` is the whole per-record path of the asset (load, normalize, check, cut the prompt, id,
-serialise, drop duplicates), streamed record by record; ``eagle_assets.raw_prompts_pass`` writes it in bounded row
+serialise, drop duplicates), streamed record by record; ``eagle_assets.raw_prompts.write`` writes it in bounded row
 groups and ``collect_prompt_rows`` gathers it in memory, so a test can drive exactly what the asset runs. Kept rows satisfy ``RAW_SCHEMA``: ``messages`` /
 ``tools`` / ``reference_reply`` are strict JSON (no NaN), valid UTF-8, with the roles and shapes of
 :func:`~eagle_assets.formats.conversation.check_conversation`. Reject rows satisfy ``REJECT_SCHEMA`` with a
@@ -45,7 +45,7 @@ def _strict_json(value: Any) -> str:
     return text
 
 
-def _shown(path: Path) -> str:
+def shown_path(path: Path) -> str:
     # A file name that is not valid UTF-8 (surrogate-escaped by the OS layer) is still storable.
     return str(path).encode("utf-8", "backslashreplace").decode("utf-8")
 
@@ -116,7 +116,7 @@ def iter_prompt_rows(
     seen = SeenIds()
     shown_names: list[str] = []
     for index, (path, fmt) in enumerate(sources):
-        shown = _shown(path)
+        shown = shown_path(path)
         shown_names.append(shown)
 
         def reject(row: int, sid: str | None, reason: str, detail: str) -> tuple[str, int, dict[str, Any]]:
@@ -160,7 +160,7 @@ def collect_prompt_rows(
     partition_key: str, sources: Iterable[tuple[Path, str]], policy: str
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """Every record of ``sources`` (``[(path, format)]``) as a prompt row or a reject row, all in memory (small
-    sources and tests; ``raw_prompts`` streams :func:`iter_prompt_rows` through ``raw_prompts_pass``).
+    sources and tests; ``raw_prompts`` streams :func:`iter_prompt_rows` through ``raw_prompts.write``).
 
     Returns ``(kept, rejects)``: ``kept`` maps sample_id -> row (``RAW_SCHEMA`` columns) in file order, the first
     of identical records kept (later ones are ``duplicate`` rejects); ``rejects`` are ``REJECT_SCHEMA`` rows.

@@ -1,7 +1,7 @@
 """Turn-by-turn, exactly-once generation of a partition's conversations (prompt policy ``all_turns``).
 
 Rounds over ``generation.run_generation`` (its lock, shards, flushes, failures and resume are reused unchanged):
-each round replays every conversation through the rows already stored (``conversation.walk`` + the reply parser),
+each round replays every conversation through the rows already stored (``tokenized_prompts.walk`` + the reply parser),
 renders the next turn of every conversation that goes on, and generates exactly the turns that have no row yet. A
 generations row is one turn, keyed ``walk.turn_row_id(sample_id, mode, turn)``; the turn's identity and its prompt
 go to ``turns.parquet`` beside the shards (atomically, before the round's requests are sent), and every
@@ -9,7 +9,7 @@ conversation's end to ``conversations.parquet``. Since a turn's prompt is a pure
 conversation and the stored earlier turns, a run killed at any point resumes at the first turn without a row and
 never sends a stored turn again; the turn prompts it writes again are the same ids.
 
-Each stored reply is segmented with ``quality.segment.segment_row`` (QC's rules); a dropped reply ends its
+Each stored reply is segmented with ``structure.segment.segment_row`` (QC's rules); a dropped reply ends its
 conversation (``qc_dropped`` with the reason); ``qc_shards`` later drops the same row for the same reason.
 
 Files beside the shards: ``turns.parquet`` (``TURN_SCHEMA``) and ``conversations.parquet``
@@ -26,12 +26,12 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_assets.conversation.reply import parse_reply
-from eagle_assets.conversation.walk import (NOT_GENERATED, QC_DROPPED, RENDER_REJECTED, REQUEST_FAILED,
+from eagle_assets.generations.reply import parse_reply
+from eagle_assets.tokenized_prompts.walk import (NOT_GENERATED, QC_DROPPED, RENDER_REJECTED, REQUEST_FAILED,
                                             UNPARSEABLE_TOOL_CALL, ConversationWalk, thinking_modes, turn_row_id)
-from eagle_assets.generation import FAILURE_SCHEMA, FAILURES_FILE, run_generation
-from eagle_assets.quality.segment import segment_row
-from eagle_assets.storage import read_done_ids, shard_paths, write_parquet_atomic
+from eagle_assets.generations.run import FAILURE_SCHEMA, FAILURES_FILE, run_generation
+from eagle_assets.structure.segment import segment_row
+from eagle_assets.storage.shards import read_done_ids, shard_paths, write_parquet_atomic
 
 TURNS_FILE = "turns.parquet"
 CONVERSATIONS_FILE = "conversations.parquet"

@@ -28,7 +28,7 @@ the client must keep unless those ids are chat-template structure), ``oov`` (an 
 ``hang_s``, past a client timeout), ``echo_auth`` (HTTP 500 whose body quotes the request's ``Authorization`` header, as careless proxies do).
 
 CLI (benchmarks; prints ``EAGLE_ASSETS_SERVER_READY http://HOST:PORT`` once it serves):
-``python -m eagle_assets.serving.stub_server [--port 0] [--latency-ms 0] [--output-tokens N] [--vocab-size V]
+``python -m eagle_assets_tests.servers.stub_server [--port 0] [--latency-ms 0] [--output-tokens N] [--vocab-size V]
 [--shape THINK_START,THINK_END,STOP[,MEDIAN,SIGMA,CAP_SHARE]]`` (``ReplyShape``: long-tailed reasoning replies).
 """
 
@@ -371,7 +371,7 @@ def serve_stub_in_thread(stub: StubServer, host: str = "127.0.0.1", port: int = 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point (see the module docstring); returns the exit code."""
-    p = argparse.ArgumentParser(prog="python -m eagle_assets.serving.stub_server",
+    p = argparse.ArgumentParser(prog="python -m eagle_assets_tests.servers.stub_server",
                                 description="Model-free SGLang-shaped /generate server for client benchmarks.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = any free port (printed in the ready line)")

@@ -45,7 +45,8 @@ class Outcome:
         return text
 
 
-def _get(thresholds: Any, name: str, default: float | None) -> float | None:
+def threshold_value(thresholds: Any, name: str, default: float | None) -> float | None:
+    """``thresholds.name`` of a catalog ``Thresholds`` or a plain mapping; ``default`` where it is not set."""
     if isinstance(thresholds, Mapping):
         return thresholds.get(name, default)
     return getattr(thresholds, name, default)
@@ -75,7 +76,7 @@ def evaluate_response_length(
     An empty partition is an ERROR (nothing to train on).
     """
     n = len(completion_tokens)
-    short = int(_get(thresholds, "short_tokens", 300) or 300)
+    short = int(threshold_value(thresholds, "short_tokens", 300) or 300)
     if n == 0:
         return response_length_outcome(0, 0.0, 0.0, 0, 0, thresholds)
     ordered = sorted(completion_tokens)
@@ -89,8 +90,8 @@ def response_length_outcome(n: int, median_tokens: float, p10_tokens: float, und
                             thresholds: Any) -> Outcome:
     """``evaluate_response_length`` from its figures: ``n`` rows, their median and p10 (by the index rule
     ``sorted[int(0.1 * (n - 1))]``), rows under ``short_tokens`` and rows with finish_reason length. Running
-    counters (``quality.live``) call this directly, so the live figures are judged by the same rules."""
-    short = int(_get(thresholds, "short_tokens", 300) or 300)
+    counters (``qc.live``) call this directly, so the live figures are judged by the same rules."""
+    short = int(threshold_value(thresholds, "short_tokens", 300) or 300)
     if n == 0:
         return _outcome({"count": 0}, [Finding("count", 0, 1, "ERROR", "<")])
     figures = {
@@ -102,23 +103,23 @@ def response_length_outcome(n: int, median_tokens: float, p10_tokens: float, und
         "short_tokens": float(short),
     }
     findings: list[Finding] = []
-    min_median = _get(thresholds, "min_median_tokens", None)
+    min_median = threshold_value(thresholds, "min_median_tokens", None)
     if min_median is not None and figures["median_tokens"] < min_median:
         findings.append(Finding("median_tokens", figures["median_tokens"], min_median, "WARN", "<"))
     _above(findings, "share_under_short", figures["share_under_short"],
-           _get(thresholds, "max_share_short_warn", None), _get(thresholds, "max_share_short_error", None))
+           threshold_value(thresholds, "max_share_short_warn", None), threshold_value(thresholds, "max_share_short_error", None))
     _above(findings, "share_truncated", figures["share_truncated"],
-           _get(thresholds, "max_share_truncated_warn", None), _get(thresholds, "max_share_truncated_error", None))
+           threshold_value(thresholds, "max_share_truncated_warn", None), threshold_value(thresholds, "max_share_truncated_error", None))
     return _outcome(figures, findings)
 
 
 def reason_levels(thresholds: Any, reason: str) -> tuple[float | None, float | None]:
     """(warn, error) share levels of one drop reason from ``thresholds.max_share_by_reason`` (None = unchecked)."""
-    by_reason = _get(thresholds, "max_share_by_reason", None) or {}
+    by_reason = threshold_value(thresholds, "max_share_by_reason", None) or {}
     levels = by_reason.get(reason) if isinstance(by_reason, Mapping) else None
     if levels is None:
         return None, None
-    return _get(levels, "warn", None), _get(levels, "error", None)
+    return threshold_value(levels, "warn", None), threshold_value(levels, "error", None)
 
 
 def evaluate_token_structure(drop_reasons: Sequence[str | None], thresholds: Any) -> Outcome:
@@ -137,13 +138,13 @@ def token_structure_outcome(n: int, counts: Mapping[str, int], thresholds: Any) 
     if n == 0:
         return _outcome({"count": 0}, [Finding("count", 0, 1, "ERROR", "<")])
     counts = {r: c for r, c in counts.items() if r and c}
-    by_reason = _get(thresholds, "max_share_by_reason", None) or {}
+    by_reason = threshold_value(thresholds, "max_share_by_reason", None) or {}
     figures: dict[str, float] = {"count": float(n), "share_dropped": sum(counts.values()) / n}
     for reason in sorted(set(counts) | set(by_reason)):
         figures[f"share_{reason}"] = counts.get(reason, 0) / n
     findings: list[Finding] = []
     _above(findings, "share_dropped", figures["share_dropped"],
-           _get(thresholds, "max_share_dropped_warn", 0.05), _get(thresholds, "max_share_dropped_error", 0.2))
+           threshold_value(thresholds, "max_share_dropped_warn", 0.05), threshold_value(thresholds, "max_share_dropped_error", 0.2))
     for reason in sorted(by_reason):
         warn, error = reason_levels(thresholds, reason)
         _above(findings, f"share_{reason}", figures[f"share_{reason}"], warn, error)

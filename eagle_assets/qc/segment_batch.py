@@ -1,8 +1,8 @@
 """``segment_row`` over a whole record batch: the same rules, vectorised over flat int32 arrays with offsets.
 
-``quality.segment.segment_output`` is the per-row reference (the rules, their order and their spans are defined
+``structure.segment.segment_output`` is the per-row reference (the rules, their order and their spans are defined
 there and in docs/token-structure.md); this module applies exactly those rules to many rows at once, so QC
-(``assets.qc``) and the live monitor (``quality.live``) segment at the speed of the data. Tests compare the two on
+(``assets.qc``) and the live monitor (``qc.live``) segment at the speed of the data. Tests compare the two on
 every drop reason, keep case and fuzzed batch (``test_quality_segment_batch.py``).
 
 How: a generations batch is one flat ``int32`` array of every row's ``output_ids`` plus ``offsets`` (``n_rows + 1``,
@@ -12,7 +12,7 @@ per-row question ("how many stop ids in the body", "where is the first think-end
 positions against per-row bounds: a handful of passes over the tokens and O(rows) work after that. Two rules stay
 per row, on the few rows that need them, by calling the reference's own functions: the prompt echo
 (``protocol.prompt_echo_length``, only for rows whose first id occurs in the prompt's last ``ECHO_WINDOW`` ids or
-whose counts disagree) and the tool-call pairing (``segment._tool_spans``, only over the marker ids of rows that
+whose counts disagree) and the tool-call pairing (``segment.tool_spans``, only over the marker ids of rows that
 have markers in their answer).
 """
 
@@ -25,15 +25,15 @@ from typing import Any, Collection, Sequence
 import numpy as np
 import pyarrow as pa
 
-from eagle_assets.quality.segment import DROP_REASONS, FLAGS, Segmentation, _tool_spans, row_max_new_tokens
+from eagle_assets.structure.segment import DROP_REASONS, FLAGS, Segmentation, tool_spans, row_max_new_tokens
 from eagle_assets.serving.protocol import ECHO_WINDOW, prompt_echo_length
 
 KEPT = -1  # drop code of a kept row
 _CODE = {r: i for i, r in enumerate(DROP_REASONS)}
-_FLAG_BIT = {f: 1 << i for i, f in enumerate(FLAGS)}
+FLAG_BIT = {f: 1 << i for i, f in enumerate(FLAGS)}
 # the order in which segment_output appends its flags (a Segmentation's flags tuple keeps it)
-_FLAG_ORDER = ("stop_at_length_cap", "implicit_think_start", "tool_call_ended_reasoning", "tool_call_in_reasoning")
-assert set(_FLAG_ORDER) == set(FLAGS)
+FLAG_ORDER = ("stop_at_length_cap", "implicit_think_start", "tool_call_ended_reasoning", "tool_call_in_reasoning")
+assert set(FLAG_ORDER) == set(FLAGS)
 _FINISH_STOP, _FINISH_LENGTH, _FINISH_ABORT, _FINISH_OTHER = 0, 1, 2, 3
 
 
@@ -68,7 +68,7 @@ class BatchSegmentation:
 
     def flag_names(self, i: int) -> tuple[str, ...]:
         bits = int(self.flags[i])
-        return tuple(f for f in _FLAG_ORDER if bits & _FLAG_BIT[f])
+        return tuple(f for f in FLAG_ORDER if bits & FLAG_BIT[f])
 
     def row(self, i: int) -> Segmentation:
         """Row ``i`` as the reference's ``Segmentation``."""
@@ -77,7 +77,7 @@ class BatchSegmentation:
                             int(self.n_tool_calls[i]), None if code < 0 else DROP_REASONS[code], self.flag_names(i))
 
     def flag_counts(self) -> dict[str, int]:
-        return {f: int(np.count_nonzero(self.flags & _FLAG_BIT[f])) for f in FLAGS}
+        return {f: int(np.count_nonzero(self.flags & FLAG_BIT[f])) for f in FLAGS}
 
 
 def _positions(mask: np.ndarray) -> np.ndarray:
@@ -302,7 +302,7 @@ def segment_flat(
     complete = last_is_stop  # stop rows without it are dropped above; for length rows it is the cap case
     flags = np.zeros(n, dtype=np.uint8)
     reached = code == KEPT
-    flags[reached & is_length & complete] |= _FLAG_BIT["stop_at_length_cap"]
+    flags[reached & is_length & complete] |= FLAG_BIT["stop_at_length_cap"]
     b_start, b_end = start.copy(), end - complete
     drop("stop_token_mid_output", _count(stop_pos, b_start, b_end) > 0)
 
@@ -320,7 +320,7 @@ def segment_flat(
         if profile.implicit_think_start:
             implicit = ~opens & (n_end > 0)
             opens |= implicit
-            flags[reached & implicit] |= _FLAG_BIT["implicit_think_start"]
+            flags[reached & implicit] |= FLAG_BIT["implicit_think_start"]
         n_start = _count(ts_pos, b_start, b_end)
     else:
         opens, n_end, n_start = np.zeros(n, dtype=bool), zeros, zeros
@@ -341,7 +341,7 @@ def segment_flat(
             reasoning[by_tool] = tc_cut[by_tool] - b_start[by_tool]
             answer[by_tool] = b_end[by_tool] - tc_cut[by_tool]
             a_start[by_tool] = tc_cut[by_tool]
-            flags[reached & by_tool] |= _FLAG_BIT["tool_call_ended_reasoning"]
+            flags[reached & by_tool] |= FLAG_BIT["tool_call_ended_reasoning"]
             rest &= ~by_tool
         unclosed = rest
         reasoning[unclosed] = b_len[unclosed]
@@ -366,7 +366,7 @@ def segment_flat(
         hi = np.searchsorted(marker_pos, a_end[in_answer])
         for i, a, b in zip(in_answer.tolist(), lo.tolist(), hi.tolist()):
             pos = marker_pos[a:b]
-            span, calls, balanced = _tool_spans(values[pos].tolist(), starts, ends, positions=pos.tolist())
+            span, calls, balanced = tool_spans(values[pos].tolist(), starts, ends, positions=pos.tolist())
             unbalanced[i] = not balanced
             tool_tokens[i], n_calls[i] = span, calls
         drop("unbalanced_tool_call", unbalanced)
@@ -374,7 +374,7 @@ def segment_flat(
         if tool_call_in_reasoning == "drop":
             drop("tool_call_in_reasoning", in_reasoning)
         else:
-            flags[in_reasoning] |= _FLAG_BIT["tool_call_in_reasoning"]
+            flags[in_reasoning] |= FLAG_BIT["tool_call_in_reasoning"]
     blank = _positions(cls & 32) if blank_ids else np.zeros(0, dtype=np.int64)
     empty = _count(blank, a_start, a_end) == answer
     drop("empty_answer", empty)
@@ -390,7 +390,7 @@ def segment_flat(
                              n_calls.astype(np.int32), flags, n_out.astype(np.int32))
 
 
-def _list_parts(arr: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def list_parts(arr: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(flat values, offsets, present) of a list column; nulls become empty rows with present False."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
@@ -409,7 +409,7 @@ def _list_parts(arr: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray
 
 
 def _int_list_parts(lists: Sequence[Sequence[int] | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``_list_parts`` of Python lists of ints (None = a missing list) without an Arrow array in between: numpy
+    """``list_parts`` of Python lists of ints (None = a missing list) without an Arrow array in between: numpy
     converts Python ints ~15x faster than ``pa.array`` (measured here: ~100 vs ~1,800 us per 1,040-id list).
     Stricter than ``pa.array(..., pa.list_(pa.int64()))``: raises ``TypeError`` for any element that is not an
     ``int`` (bools and integral floats included), ``OverflowError`` beyond int64, and the caller hands such rows
@@ -477,7 +477,7 @@ def _typed_as_generated(batch: pa.RecordBatch | pa.Table) -> bool:
 
 
 def _reference_batch(batch, profile, *, prompt_opens_think, prompt_ids, **kw) -> BatchSegmentation:
-    from eagle_assets.quality.segment import segment_row
+    from eagle_assets.structure.segment import segment_row
 
     n = batch.num_rows
     opens = np.broadcast_to(np.asarray(prompt_opens_think, dtype=bool), (n,))
@@ -520,11 +520,11 @@ def segment_batch(
     if out_col is None:
         values, offsets = np.zeros(0, dtype=np.int32), np.zeros(n + 1, dtype=np.int64)
     else:
-        values, offsets, _ = _list_parts(out_col)
+        values, offsets, _ = list_parts(out_col)
     finish = _column(batch, "finish_reason")
     kw: dict[str, Any] = {}
     if prompt_ids is not None:
-        kw["prompt_values"], kw["prompt_offsets"], kw["prompt_present"] = _list_parts(prompt_ids)
+        kw["prompt_values"], kw["prompt_offsets"], kw["prompt_present"] = list_parts(prompt_ids)
     return segment_flat(
         values, offsets, finish if finish is not None else pa.nulls(n, pa.string()), profile,
         matched_stop=_column(batch, "matched_stop"), completion_tokens=_column(batch, "completion_tokens"),
@@ -577,7 +577,7 @@ def segment_rows(
             max_new_tokens=row_caps([r.get("sampling_params") for r in rows], n), **flat, **kw)
     except (TypeError, ValueError, OverflowError, pa.ArrowInvalid, pa.ArrowTypeError):
         pass  # not the generated types: the reference, row by row, decides
-    from eagle_assets.quality.segment import segment_row
+    from eagle_assets.structure.segment import segment_row
 
     rows = [dict(r, output_ids=r["output_ids"].tolist()) if isinstance(r.get("output_ids"), np.ndarray) else r
             for r in rows]
@@ -601,6 +601,6 @@ def _pack(segs: Sequence[Segmentation], lengths: Sequence[int]) -> BatchSegmenta
         np.array([s.answer_tokens for s in segs], dtype=np.int32),
         np.array([s.tool_call_tokens for s in segs], dtype=np.int32),
         np.array([s.n_tool_calls for s in segs], dtype=np.int32),
-        np.array([sum(_FLAG_BIT[f] for f in s.flags) for s in segs], dtype=np.uint8),
+        np.array([sum(FLAG_BIT[f] for f in s.flags) for s in segs], dtype=np.uint8),
         np.array(lengths, dtype=np.int32),
     )

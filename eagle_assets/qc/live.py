@@ -1,10 +1,10 @@
 """Live quality of a partition while it generates: running figures, early alarms and the fail-fast decision.
 
 ``LiveQualityMonitor`` is fed one generated row at a time (the dict written to a generations shard). Each row is
-segmented exactly as the ``qc_shards`` asset does it (the same ``quality.segment.segment_row`` call, with the same
+segmented exactly as the ``qc_shards`` asset does it (the same ``structure.segment.segment_row`` call, with the same
 prompt facts, vocab size and control ids), so the running figures are the figures the
 blocking ``token_structure`` and ``response_length`` checks will compute at the end, and they are compared with the
-partition's thresholds by the same rules (``quality.thresholds``), only earlier.
+partition's thresholds by the same rules (``qc.thresholds``), only earlier.
 
 Cadence (``LiveSpec``): a report every ``report_every_rows`` rows; from ``warmup_rows`` rows on, each report also
 evaluates. An evaluation yields alarms (one per broken threshold, with example sample ids) and, when ``fail_fast``
@@ -20,9 +20,9 @@ is set, may decide to stop the partition:
   run, and an unfixed rerun stops again after its warm-up.
 
 Cost: constant per row, whatever the partition's size. Rows are queued by ``observe`` and segmented in batches
-(``quality.segment_batch.segment_rows``, the vectorised ``segment_row``) when figures are read; the figures are
+(``qc.segment_batch.segment_rows``, the vectorised ``segment_row``) when figures are read; the figures are
 counters (rows, drops per reason, truncated, under short) and exact histograms of the integer lengths
-(``quality.running.LengthHistogram``), judged by ``quality.thresholds``' rules from counts
+(``figures.running.LengthHistogram``), judged by ``qc.thresholds``' rules from counts
 (``token_structure_outcome`` / ``response_length_outcome``); the example ids are bounded deques and a heap of the
 ``example_ids`` shortest rows. An evaluation costs O(longest length), not O(rows). A row's ``output_ids`` may be an
 int32 array (``generation.run_generation`` converts each reply once, for its shard and for this monitor): no Python
@@ -40,10 +40,10 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from eagle_assets.catalog import LiveSpec
-from eagle_assets.quality.running import LengthHistogram
-from eagle_assets.quality.segment import DROP_REASONS, Segmentation
-from eagle_assets.quality.segment_batch import KEPT, BatchSegmentation, segment_rows
-from eagle_assets.quality.thresholds import Finding, Outcome, response_length_outcome, token_structure_outcome
+from eagle_assets.figures.running import LengthHistogram
+from eagle_assets.structure.segment import DROP_REASONS, Segmentation
+from eagle_assets.qc.segment_batch import KEPT, BatchSegmentation, segment_rows
+from eagle_assets.qc.thresholds import Finding, Outcome, response_length_outcome, token_structure_outcome
 
 # rows segmented together when figures are read (the seed of a large partition is segmented in slices of this)
 SEGMENT_BATCH_ROWS = 4096

@@ -11,7 +11,7 @@ Exactly-once needs one writer per partition directory: ``run_generation`` holds 
 ``<out_dir>/.generation.lock`` while it runs (the kernel drops it when the process dies, SIGKILL included) and
 refuses to start when another process holds it. Temp files left by a killed writer are removed on start.
 
-Live quality (optional ``monitor``, an ``eagle_assets.quality.live.LiveQualityMonitor``): the monitor is seeded with
+Live quality (optional ``monitor``, an ``eagle_assets.qc.live.LiveQualityMonitor``): the monitor is seeded with
 the rows already in the shards and fed every new row; at each of its reports (every report evaluates)
 ``live_stats.json`` is rewritten (atomically, by a writer thread: no file I/O on the event loop; at most every
 ``LIVE_STATS_MIN_INTERVAL_S``; the final figures synchronously) beside the shards, alarms go to the ``alarm``
@@ -42,8 +42,8 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_assets.quality.running import DurationSketch
-from eagle_assets.storage import (clear_shards, next_shard_path, read_done_ids, shard_paths, write_bytes_atomic,
+from eagle_assets.figures.running import DurationSketch
+from eagle_assets.storage.shards import (clear_shards, next_shard_path, read_done_ids, shard_paths, write_bytes_atomic,
                                    write_json_atomic, write_parquet_atomic)
 
 GENERATION_SCHEMA = pa.schema(
@@ -99,7 +99,7 @@ class GenerationStats:
 
     def summary(self) -> dict[str, Any]:
         """Flat metadata dict: counts, rates and latency quantiles (ms)."""
-        lat = self.latencies_s  # quantiles within 0.5% (quality.running.DurationSketch)
+        lat = self.latencies_s  # quantiles within 0.5% (figures.running.DurationSketch)
 
         def q(p: float) -> float:
             return 1000.0 * lat.at(min(len(lat) - 1, int(p * (len(lat) - 1) + 0.5))) if len(lat) else 0.0
@@ -200,7 +200,7 @@ def run_generation(
     """Generate every prompt not yet in ``out_dir``'s shards; append new shards; rewrite ``failures.parquet``.
 
     Args:
-        prompts: (sample_id, prompt_ids) pairs, or a ``prompts_file.PromptsFile`` (read one record batch at a time,
+        prompts: (sample_id, prompt_ids) pairs, or a ``tokenized_prompts.prompts_file.PromptsFile`` (read one record batch at a time,
             so the partition's prompt ids are never all in memory); ids are ints of the target vocab; a repeated
             sample id is sent once (its first row).
         out_dir: the partition's generations directory (created if missing).
@@ -349,7 +349,7 @@ def _seed_monitor(monitor, out_dir: Path, wanted: set[str]) -> None:
 def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows, flush_seconds, progress,
                 progress_every_s, monitor=None, alarm=None, control_ids: frozenset[int] | None = None
                 ) -> GenerationStats:
-    from eagle_assets.prompts_file import PromptsFile
+    from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
     from eagle_assets.serving.client import run_sync
 
     done = read_done_ids(out_dir)

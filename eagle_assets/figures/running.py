@@ -3,7 +3,7 @@ sketch of durations (``DurationSketch``, for request latencies).
 
 Why not a quantile sketch (KLL, t-digest): lengths are integers bounded by the request cap (``max_new_tokens``, at
 most a few 10k), so one counter per length is a few 100 KB at most, exact, and answers the figures the blocking
-checks compute (``quality.thresholds``: ``statistics.median`` with its mean of the two middle values, p10 by the
+checks compute (``qc.thresholds``: ``statistics.median`` with its mean of the two middle values, p10 by the
 index rule ``sorted[int(0.1 * (n - 1))]``) bit for bit. A sketch would be approximate for no gain and a dependency
 more. Adding a row is O(1) (amortised growth); a quantile is O(max length) vectorised, independent of the rows.
 """

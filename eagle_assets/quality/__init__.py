@@ -1,1 +1,0 @@
-"""Output segmentation with named drop reasons, length statistics (DuckDB), thresholds and plots."""
