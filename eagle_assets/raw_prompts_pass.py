@@ -573,9 +573,9 @@ def dataset_chunk_rows(partition_key: str, sources: list[tuple[Path, str]], poli
 
     A source that is missing or not a file falls back to :func:`write_raw_prompts` without the cache, which raises
     the ``FormatError`` naming it. Raises ``FormatError`` for a source unusable as a whole (nothing cached then),
-    ``OSError`` for unwritable output or cache. ``flock`` holds across machines on shared storage that supports it
-    (NFSv4, CephFS); where it does not, concurrent chunks may each parse, and the atomic rename keeps the one parse
-    correct.
+    ``OSError`` for unwritable output or cache, and for a cache on storage without ``flock`` (ENOLCK): the lock is
+    what keeps concurrent chunk runs to one parse, across machines too on shared storage that supports it (NFSv4,
+    CephFS, Lustre with flock enabled).
     """
     sources = list(sources)
     cache = Path(cache)
