@@ -17,8 +17,12 @@ duplicates and the ``limit`` sample are decided over the whole dataset exactly a
 rows :func:`chunk_of` assigns to ``index`` are written. So the chunks' rows are disjoint and their union is the
 unchunked dataset's rows, ids included (sample ids are keyed by the dataset, not the chunk). Rejects are about the
 dataset's records, not a chunk's rows: chunk 0 writes all of them (the unchunked ``rejects.parquet``), the other
-chunks an empty file, so each reject is counted once. Every chunk reads the whole sources: a chunk's cost is the
-read and parse of the dataset plus the work on its own rows.
+chunks an empty file, so each reject is counted once. Done so (``write_raw_prompts`` without ``dataset_cache``),
+every chunk reads the whole sources. With ``dataset_cache`` (what the asset passes), :func:`dataset_chunk_rows`
+parses the dataset once for all its chunks: the first chunk run to need it runs the same pass with every sampled
+row split into one file per chunk (``_ChunkFiles``, bounded buffers, at most ``MAX_OPEN_CHUNK_FILES`` files per pass
+over the spills), under a file lock, and each chunk then writes its own rows from its file through the same
+row-group writer: the same bytes as the full pass, at the cost of one parse for the dataset.
 
 A partition of at most ``ROW_GROUP_ROWS`` rows is written as one row group, byte for byte the file the in-memory
 path wrote (``pq.write_table`` of the whole table), so data versions of existing partitions do not change.
