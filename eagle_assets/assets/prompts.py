@@ -11,12 +11,15 @@ from eagle_assets.raw_prompts.rows import RAW_SCHEMA, REJECT_SCHEMA  # noqa: F40
 from eagle_assets.raw_prompts.write import write_raw_prompts
 from eagle_assets.tokenized_prompts.write import TOKENIZED_SCHEMA, tokenize_partition  # noqa: F401
 
+# The storage stage that holds each chunked dataset's one parse, shared by its chunks (raw_prompts.write).
+PARSE_STAGE = "raw_prompts_by_dataset"
+
 # RAW_SCHEMA and REJECT_SCHEMA (raw_prompts' prompt and reject rows) live in eagle_assets.raw_prompts.rows.
 # TOKENIZED_SCHEMA (tokenized_prompts' rows) lives in eagle_assets.tokenized_prompts.write, which writes them.
 
 
 def _first_mode(spec):
-    # all_turns renders turn 1 here with its first thinking mode; generations.rollout renders every turn and mode
+    # all_turns renders turn 1 here with its first thinking mode; conversation.rollout renders every turn and mode
     from eagle_assets.tokenized_prompts.walk import thinking_modes
 
     return thinking_modes(spec.enable_thinking)[0][1]
@@ -41,7 +44,8 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
     def raw_prompts(context: dg.AssetExecutionContext, settings: PipelineSettings):
         """Normalized conversations of one dataset partition; every malformed record goes to rejects.parquet with a
         reason (one bad record, whatever it holds, costs only itself); an empty source gives zero rows. A chunk of a
-        dataset keeps the dataset's rows that fall in it (``raw_prompts.write``: its rejects are all in chunk 0)."""
+        dataset keeps the dataset's rows that fall in it (``raw_prompts.write``: its rejects are all in chunk 0); the
+        dataset's sources are parsed once for all its chunks (``raw_prompts.write.dataset_chunk_rows``)."""
         key = context.partition_key
         spec = settings.catalog().partition(key)
         out = settings.layout().stage_dir("raw_prompts", key)
@@ -51,14 +55,19 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         # one streaming pass (raw_prompts.write): compact duplicate ids, a bounded sample selection, row groups
         # written as they come, so memory does not grow with the partition
         chunk = (spec.chunk, spec.chunks) if spec.chunk is not None else None
+        # a chunk: the dataset's sources are parsed once, by the first of its chunks' runs to need them, into a
+        # directory its chunks share (<catalog>/raw_prompts_by_dataset/<dataset>/); each chunk reads its own rows
+        parse_dir = settings.layout().stage_dir(PARSE_STAGE, spec.dataset) if chunk is not None else None
         result = write_raw_prompts(spec.dataset, sources, spec.prompt_policy, out, seed=spec.seed, limit=spec.limit,
-                                   chunk=chunk)
+                                   chunk=chunk, dataset_cache=parse_dir)
         rows, available, rejected, reasons = result.rows, result.available, result.rejected, result.reasons
         if rejected:
             context.log.warning(f"{rejected} records rejected ({dict(reasons.most_common())}); see {out / 'rejects.parquet'}")
         if chunk is not None:
             context.log.info(f"chunk {spec.chunk} of {spec.chunks} of dataset {spec.dataset}: {rows} of its rows"
-                             + ("" if spec.chunk == 0 else "; its rejects are recorded by chunk 0"))
+                             + ("" if spec.chunk == 0 else "; its rejects are recorded by chunk 0")
+                             + (f"; this run parsed the dataset's sources for all its chunks into {parse_dir}"
+                                if result.parsed else f"; read from the dataset's parse in {parse_dir}"))
         if rows:
             availability = f"{rows} prompts ({available} available, {rejected} records rejected)"
         elif chunk is not None and available:
@@ -82,6 +91,7 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
                 "reject_reasons": _reason_table(reasons),
                 "sources": dg.MetadataValue.json([str(p) for p, _ in sources]),
                 "path": dg.MetadataValue.path(str(out)),
+                **({"parsed_sources": result.parsed} if chunk is not None else {}),
             }
         )
         yield dg.AssetCheckResult(

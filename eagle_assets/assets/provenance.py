@@ -44,7 +44,7 @@ PACKAGES = ("eagle-assets", "torch", "transformers", "tokenizers", "safetensors"
 RUN_TAG_PREFIXES = ("dagster/partition", "dagster/backfill", "dagster/sensor_name", "dagster/schedule_name",
                     "dagster/automation", "dagster/from_automation_condition", "dagster/run_key",
                     "dagster/asset_evaluation_id", "eagle_assets/")
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the eagle_assets package, not this assets/ folder
 
 
 def package_versions() -> dict[str, str | None]:
