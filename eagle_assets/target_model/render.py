@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from eagle_assets.target_model.generation_suffix import ConstantSuffix, constant_suffix
 from eagle_assets.target_model.profile import FamilyProfile
 from eagle_assets.target_model.template_sandbox import tune_sandbox
 
@@ -293,6 +294,7 @@ def render_texts_batch(tokenizer: Any, records: Sequence[tuple[list[dict[str, An
     out: list[Any] = [None] * len(records)
     specials = special_token_strings(tokenizer)
     kwargs: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    suffix = constant_suffix(tokenizer, kwargs)  # None: this template needs the second render
     groups: dict[str, list[int]] = {}  # batchable records by their tools list
     singles: list[int] = []  # records rendered one by one
     for i, (messages, tools) in enumerate(records):
@@ -313,36 +315,44 @@ def render_texts_batch(tokenizer: Any, records: Sequence[tuple[list[dict[str, An
         else:
             groups.setdefault(key, []).append(i)
     for i in singles:
-        out[i] = _render_one(tokenizer, records[i], enable_thinking, specials)
+        out[i] = _render_one(tokenizer, records[i], enable_thinking, specials, suffix)
     for idx in groups.values():
-        _render_group(tokenizer, records, idx, records[idx[0]][1] or None, kwargs, enable_thinking, specials, out)
+        _render_group(tokenizer, records, idx, records[idx[0]][1] or None, kwargs, enable_thinking, specials, out,
+                      suffix)
     return out
 
 
-def _render_one(tokenizer: Any, record: tuple, enable_thinking: bool | None, specials: list[str]) -> Any:
+def _render_one(tokenizer: Any, record: tuple, enable_thinking: bool | None, specials: list[str],
+                suffix: ConstantSuffix | None) -> Any:
     try:
-        return _render_texts(tokenizer, *record, enable_thinking, specials)
+        return _render_texts(tokenizer, *record, enable_thinking, specials, suffix)
     except RenderError as exc:
         return exc
 
 
 def _render_group(tokenizer: Any, records: Sequence[tuple], idx: list[int], tools: Any, kwargs: dict[str, Any],
-                  enable_thinking: bool | None, specials: list[str], out: list[Any]) -> None:
+                  enable_thinking: bool | None, specials: list[str], out: list[Any],
+                  suffix: ConstantSuffix | None) -> None:
     """Render the records ``idx`` (same tools) in batched calls into ``out``; when a call raises (some record's
     template error), each half is retried on its own, down to ``_render_texts`` of the one record, so k bad records
-    cost O(k log n) extra renders and each keeps its own error message."""
+    cost O(k log n) extra renders and each keeps its own error message. ``suffix``: the template's proven
+    ``ConstantSuffix`` (the texts without the generation prompt are derived, not rendered), or None."""
     if len(idx) == 1:
-        out[idx[0]] = _render_one(tokenizer, records[idx[0]], enable_thinking, specials)
+        out[idx[0]] = _render_one(tokenizer, records[idx[0]], enable_thinking, specials, suffix)
         return
     convs = [records[i][0] for i in idx]
     try:
         texts = _apply_many(tokenizer, convs, tools, True, kwargs)
-        without_gen = _apply_many(tokenizer, convs, tools, False, kwargs)
+        without_gen = [None] * len(idx) if suffix is None else [suffix.derive_plain(t) for t in texts]
+        missing = [k for k, plain in enumerate(without_gen) if plain is None]
+        if missing:  # every record without a proven suffix; none otherwise
+            for k, plain in zip(missing, _apply_many(tokenizer, [convs[k] for k in missing], tools, False, kwargs)):
+                without_gen[k] = plain
         without_tools = _apply_many(tokenizer, convs, None, True, kwargs) if tools else [None] * len(idx)
     except Exception:
         half = len(idx) // 2
-        _render_group(tokenizer, records, idx[:half], tools, kwargs, enable_thinking, specials, out)
-        _render_group(tokenizer, records, idx[half:], tools, kwargs, enable_thinking, specials, out)
+        _render_group(tokenizer, records, idx[:half], tools, kwargs, enable_thinking, specials, out, suffix)
+        _render_group(tokenizer, records, idx[half:], tools, kwargs, enable_thinking, specials, out, suffix)
         return
     for i, text, plain, bare in zip(idx, texts, without_gen, without_tools):
         try:
@@ -359,12 +369,20 @@ def _apply_many(tokenizer: Any, conversations: list, tools: Any, gen: bool, kwar
     return texts
 
 
+_UNKNOWN: Any = object()
+
+
 def _render_texts(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, enable_thinking: bool | None,
-                  specials: list[str] | None = None) -> tuple[str, str, Any, bool]:
+                  specials: list[str] | None = None, suffix: ConstantSuffix | None = _UNKNOWN
+                  ) -> tuple[str, str, Any, bool]:
     """(prompt text, text without the generation prompt, tools, tool arguments as strings) of one record, after
-    the text-level checks; raises RenderError. ``specials``: ``special_token_strings(tokenizer)`` when known."""
+    the text-level checks; raises RenderError. ``specials``: ``special_token_strings(tokenizer)`` when known;
+    ``suffix``: ``generation_suffix.constant_suffix`` for these kwargs when known (None: render the text without
+    the generation prompt; a ``ConstantSuffix``: derive it from the prompt text, exactly, see that module)."""
     _check_control_tokens(tokenizer, messages, specials)
     kwargs: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    if suffix is _UNKNOWN:
+        suffix = constant_suffix(tokenizer, kwargs)
     tools = tools or None
     args_as_string = False
     try:
@@ -377,7 +395,9 @@ def _render_texts(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, en
             messages = _stringify_arguments(messages)
             args_as_string = True
             text = _apply(tokenizer, messages, tools, True, kwargs)
-        without_gen = _apply(tokenizer, messages, tools, False, kwargs)
+        without_gen = None if suffix is None else suffix.derive_plain(text)
+        if without_gen is None:
+            without_gen = _apply(tokenizer, messages, tools, False, kwargs)
         without_tools = _apply(tokenizer, messages, None, True, kwargs) if tools else None
     except RenderError:
         raise
