@@ -13,6 +13,7 @@ import json
 import os
 import time
 import zlib
+from pathlib import Path
 from collections import Counter
 
 import pyarrow as pa
@@ -323,3 +324,127 @@ def test_qc_drops_counted_echoes_that_another_producer_stored(tmp_path):
     assert {s for s, why in reasons.items() if why == "prompt_echo"} == echoing
     assert all(reasons[s] in (None, "truncated_in_answer") for s in stored if s not in echoing)
     assert [reasons[f"tail:{i}"] for i in range(10)].count(None) >= 5  # begins like the prompt's end, kept
+
+
+# -------------------------------- an echo of ordinary prompt ids, counted: only the reply's shape betrays it (issue 27)
+QWEN3_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tokenizers" / "qwen3-0.6b"
+
+
+class QwenEchoServer(StubServer):
+    """The stub's HTTP server and fault machinery, answering with real Qwen3 replies (ids of the real tokenizer):
+    ``s:`` / ``once:`` rids get ``<think>\\n...\\n</think>\\n\\nanswer<|im_end|>``; ``cut:`` rids a reasoning cut at
+    ``max_new_tokens`` (finish ``length``); ``tail:`` rids a whole reply without reasoning that begins with the
+    prompt's last 1 or 2 ids. ``echo(rid, attempt) -> k`` puts the prompt's last k ids in front, COUNTED in
+    ``completion_tokens`` (a cut keeps the cap: echo + reasoning = max_new_tokens ids), as a server echoing
+    SGLang's detokenization window answers: the counts agree."""
+
+    def __init__(self, tok, echo):
+        super().__init__(vocab_size=len(tok))
+        self.tok, self.echo = tok, echo
+        self.im_end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def enc(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def reply(self, body: dict, started: float) -> dict:
+        rid, prompt = str(body["rid"]), list(body["input_ids"])
+        kind, i = rid.split(":")[0], int(rid.split(":")[1])
+        cap = int(body["sampling_params"]["max_new_tokens"])
+        k = self.echo(rid, self.stats.per_rid[rid])
+        finish = {"type": "stop", "matched": self.im_end}
+        if kind == "cut":
+            ids = self.enc("<think>\nLet me add " + " and ".join(str(j) for j in range(i, i + 60)))[: cap - k]
+            finish = {"type": "length", "length": cap}
+        elif kind == "tail":
+            ids = prompt[-(1 + i % 2):] + self.enc(f"The sum is {2 * i + 1}.<|im_end|>")
+        else:
+            ids = self.enc(f"<think>\nAdd {i} and {i + 1}.\n</think>\n\n{2 * i + 1}<|im_end|>")
+        ids = prompt[-k:] + ids if k else ids
+        return {"text": "", "output_ids": ids, "meta_info": {
+            "id": rid, "finish_reason": finish, "prompt_tokens": len(prompt), "completion_tokens": len(ids),
+            "cached_tokens": 0, "e2e_latency": 0.0}}
+
+
+def _shape_echo(rid: str, attempt: int) -> int:
+    """k ids echoed: half of the ``s:`` and ``cut:`` rids on every attempt (1 or 2 ids: Qwen3's generation prompt
+    ends ``assistant\\n``, ordinary ids), ``once:`` rids on the first attempt only, ``tail:`` rids never."""
+    kind = rid.partition(":")[0]
+    h = zlib.crc32(rid.encode())
+    if kind in ("s", "cut"):
+        return 1 + (h >> 1) % 2 if h % 2 else 0
+    return 1 + h % 2 if kind == "once" and attempt == 1 else 0
+
+
+def test_echo_that_only_the_reply_shape_betrays_is_retried_then_a_failure_and_qc_names_it(tmp_path):
+    # The report: 300 replies, half echoing the prompt's last ids with counts that agree, and no control id among
+    # the echoed ids; about half were stored as good rows. With the generation stage's structure check none is.
+    if not QWEN3_DIR.exists():
+        pytest.skip(f"../shared/data is absent: {QWEN3_DIR} not found")
+    from eagle_assets.assets.qc import blank_token_ids
+    from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
+    from eagle_assets.qc.qc_pass import qc_partition
+    from eagle_assets.structure.segment import StructureCheck, segment_row
+    from eagle_assets.target_model import detect_profile, load_tokenizer, render_prompt
+    from eagle_assets.target_model.profile import target_vocab_size
+    from eagle_assets.target_model.render import control_token_ids
+
+    tok = load_tokenizer(QWEN3_DIR)
+    profile = detect_profile(tok)
+    vocab, control, blank = target_vocab_size(QWEN3_DIR, tok), control_token_ids(tok), blank_token_ids(tok)
+    sids = [f"s:{i}" for i in range(300)] + [f"once:{i}" for i in range(10)] + [f"cut:{i}" for i in range(20)] + \
+        [f"tail:{i}" for i in range(10)]
+    rendered = {sid: render_prompt(tok, [{"role": "user", "content": f"What is {n} + {n + 1}? ({sid})"}], None,
+                                   profile=profile) for n, sid in enumerate(sids)}
+    table = pa.table({"sample_id": sids, "prompt_ids": pa.array([rendered[s].prompt_ids for s in sids],
+                                                                  pa.list_(pa.int32())),
+                      "prompt_opens_think": [rendered[s].opens_think for s in sids]})
+    assert tok.decode(rendered["s:0"].prompt_ids[-2:]) == "assistant\n" and not rendered["s:0"].opens_think
+    echoing = {s for s in sids if s.startswith(("s:", "cut:")) and _shape_echo(s, 1)}
+    assert 120 < len({s for s in echoing if s.startswith("s:")}) < 180
+    assert all(not any(t in control for t in rendered[s].prompt_ids[-_shape_echo(s, 1):]) for s in echoing)
+    sp = SamplingParams(max_new_tokens=48, temperature=0.0, stop_token_ids=list(profile.stop_ids))
+
+    def generate(out, well_formed):
+        prompts = PromptsFile.from_table(table)
+        with serve_stub_in_thread(QwenEchoServer(tok, _shape_echo)) as running:
+            stats = run_generation(prompts, out, _client(running.url, max_attempts=3), sp, vocab,
+                                   control_ids=control, well_formed=well_formed)
+            return stats, Counter(running.stub.stats.per_rid)
+
+    # as the generations asset builds it: QC's rules, tokenized_prompts' prompt_opens_think, the partition's policy
+    prompts = PromptsFile.from_table(table)
+    check = StructureCheck(profile, prompt_opens_think=prompts.opens_map(profile), blank_ids=blank)
+    stats, sent = generate(tmp_path / "gen", check)
+    rows = _rows(tmp_path / "gen")
+    failures = {f["sample_id"]: f for f in pq.read_table(tmp_path / "gen" / FAILURES_FILE).to_pylist()}
+    assert not set(rows) & echoing, "an echo must never be stored as a generation"
+    assert set(failures) == echoing and set(rows) == set(sids) - echoing
+    assert all(f["kind"] == "prompt_echo" and f["attempts"] == 3 == sent[s] for s, f in failures.items())
+    assert "well-formed for its family only without them" in failures[min(echoing)]["last_error"]
+    assert stats.failure_kinds == Counter({"prompt_echo": len(echoing)})
+    assert all(rows[f"once:{i}"]["attempts"] == 2 for i in range(10))  # retried, then the good reply
+    for i in range(10):  # begins like the prompt's tail, whole as it stands: kept at the first attempt
+        row, prompt = rows[f"tail:{i}"], rendered[f"tail:{i}"].prompt_ids
+        k = 1 + i % 2
+        assert row["output_ids"][:k] == prompt[-k:] and row["attempts"] == 1
+
+    def qc(out):
+        gen = shard_paths(out)
+        summary = qc_partition(gen, table, tmp_path / f"qc-{out.name}", profile, partition="p", blank_ids=blank,
+                               vocab_size=vocab, control_ids=control)
+        stored = _rows(out)
+        per_row = {s: segment_row(r, profile, prompt_opens_think=rendered[s].opens_think,
+                                  prompt_ids=rendered[s].prompt_ids, blank_ids=blank, vocab_size=vocab,
+                                  control_ids=control).drop_reason for s, r in stored.items()}
+        assert summary.reasons == Counter(why for why in per_row.values() if why is not None)  # vectorised = per row
+        return per_row
+
+    # every stored row is whole (cuts at the cap excepted)
+    assert {s: why for s, why in qc(tmp_path / "gen").items() if why is not None} == \
+        {s: "truncated_in_reasoning" for s in rows if s.startswith("cut:")}
+    # a producer without the check (the report's client) stores the echoes; QC names every one prompt_echo
+    _, _ = generate(tmp_path / "old", None)
+    old = qc(tmp_path / "old")
+    echoed_once = echoing | {s for s in sids if s.startswith("once:")}  # their first reply echoes too
+    assert set(old) == set(sids) and {s for s, why in old.items() if why == "prompt_echo"} == echoed_once
+    assert all(old[s] in (None, "truncated_in_reasoning") for s in sids if s not in echoed_once)

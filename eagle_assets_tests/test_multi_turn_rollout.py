@@ -92,3 +92,36 @@ def test_live_fail_fast_stops_between_turns_keeps_rows_and_resumes(qwen, tmp_pat
         stopped = _run(tok, prof, running.url, tmp_path, convs)  # no monitor: every remaining turn 2 is sent
     assert not stopped.stopped_early and len(_rows(tmp_path)) == kept + stopped.succeeded == 12
     assert {(r, n) for _, r, n in _ends(tmp_path)} == {("qc_dropped", 1)}  # each ends at turn 2, counted
+
+
+class EchoingQwen3Server(ScriptedQwen3Server):
+    """``ScriptedQwen3Server`` whose replies to the rids of ``echo(rid, attempt) -> True`` start with the turn
+    prompt's last 2 ids (``assistant\\n``: ordinary ids), counted in ``completion_tokens``: the counts agree and no
+    control id is echoed, so only the reply's shape (a ``<think>`` after them) betrays the echo."""
+
+    def __init__(self, tokenizer, echo):
+        super().__init__(tokenizer, {})
+        self.echo = echo
+
+    def reply(self, body: dict, started: float) -> dict:
+        good = super().reply(body, started)
+        rid = str(body.get("rid"))
+        if self.echo(rid, self.stats.per_rid[rid]):
+            good["output_ids"] = list(body["input_ids"][-2:]) + good["output_ids"]
+            good["meta_info"]["completion_tokens"] = len(good["output_ids"])
+        return good
+
+
+def test_a_turn_whose_reply_echoes_the_prompt_tail_is_retried_then_failed_never_stored(qwen, tmp_path):
+    tok, prof = qwen
+    convs = [(f"c{i}", DATASET) for i in range(3)]
+    server = EchoingQwen3Server(tok, lambda rid, attempt: rid == "c1:on:2" or (rid == "c2:on:2" and attempt == 1))
+    with serve_stub_in_thread(server) as running:
+        stats = _run(tok, prof, running.url, tmp_path, convs, note="fault")
+    assert tok.decode(pq.read_table(tmp_path / "turns.parquet").to_pylist()[0]["prompt_ids"][-2:]) == "assistant\n"
+    assert _ends(tmp_path) == {("c0", "complete", 3), ("c2", "complete", 3), ("c1", "request_failed", 1)}
+    failures = pq.read_table(tmp_path / "failures.parquet").to_pylist()
+    assert [(f["sample_id"], f["kind"], f["attempts"]) for f in failures] == [("c1:on:2", "prompt_echo", 2)]
+    rows = {r["sample_id"]: r for r in _rows(tmp_path)}
+    assert "c1:on:2" not in rows and rows["c2:on:2"]["attempts"] == 2  # retried, then the good reply
+    assert stats.rows_by_turn == {1: 3, 2: 2, 3: 2}

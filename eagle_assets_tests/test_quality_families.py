@@ -29,7 +29,8 @@ import pytest
 from eagle_assets.assets.qc import blank_token_ids
 from eagle_assets.catalog import LiveSpec, Thresholds
 from eagle_assets.qc.live import LiveQualityMonitor
-from eagle_assets.structure.segment import DROP_REASONS, Segmentation, segment_row
+from eagle_assets.structure.segment import DROP_REASONS, Segmentation, StructureCheck, reply_well_formed, segment_row
+from eagle_assets.qc.segment_batch import segment_rows
 from eagle_assets.serving.protocol import ReplyError, parse_reply
 from eagle_assets.target_model import detect_profile, load_kimi_tokenizer, load_tokenizer, render_prompt
 from eagle_assets.target_model.profile import target_vocab_size
@@ -86,6 +87,11 @@ class Family:
                            prompt_ids=self.prompt_ids,
                            tool_call_in_reasoning=policy, blank_ids=self.blank, vocab_size=self.vocab,
                            control_ids=self.control)
+
+    def check(self) -> StructureCheck:
+        """The client's structure check as the generation stage builds it (``assets.generation``)."""
+        return StructureCheck(self.profile, prompt_opens_think={f"{self.name}-row": self.rendered_opens},
+                              blank_ids=self.blank)
 
     def reply(self, reasoning: str, answer: str) -> list[int]:
         return self.enc(self.open_text + reasoning + self.close_text + answer + self.stop_text)
@@ -431,10 +437,89 @@ def test_client_qc_and_live_monitor_agree(families, name):
         max_new = json.loads(row["sampling_params"])["max_new_tokens"]
         try:
             parse_reply(_reply_body(row), f.prompt_ids, f.vocab, max_new_tokens=max_new, rid=row["sample_id"],
-                        control_ids=f.control)
+                        control_ids=f.control, well_formed=f.check())
         except ReplyError as exc:
             assert exc.kind == qc.drop_reason and qc.drop_reason in CLIENT_KINDS, (case, exc.kind, qc)
         else:
             assert qc.drop_reason not in CLIENT_KINDS, (case, qc)
     snap = monitor.snapshot()
     assert sum(snap["drop_reasons"].values()) == len(_drop_cases(f))
+
+
+# ------------------------------------------------- a prompt echo that only the reply's shape betrays (issue 27)
+def _echo_rows(f: Family) -> dict[tuple[str, int], dict]:
+    """(keep case, k) -> that well-formed reply behind the prompt's last k ids, counted in completion_tokens (as a
+    server echoing SGLang's detokenization window answers: the counts agree), plus a cut at the cap."""
+    good = {case: row for case, row in _keep_cases(f).items() if case != "begins_like_the_prompt_tail"}
+    if f.opens or f.open_text:
+        good["cut_in_reasoning"] = f.row(f.enc(f.open_text + "Okay, 2 and 2 make"), finish="length")
+    rows = {}
+    for case, row in good.items():
+        for k in range(1, 7):
+            ids = f.prompt_ids[-k:] + row["output_ids"]
+            rows[(case, k)] = f.row(ids, finish=row["finish_reason"])
+    return rows
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_echo_named_prompt_echo_by_qc_client_and_monitor_and_no_well_formed_reply_refused(families, name):
+    f = families[name]
+    check = f.check()
+    rows = _echo_rows(f)
+    qc = {key: f.segment(row).drop_reason for key, row in rows.items()}
+    # the vectorised path (qc_shards, the live monitor) names the same rows
+    batch = segment_rows(list(rows.values()), f.profile, prompt_opens_think=f.rendered_opens,
+                         prompt_ids=[f.prompt_ids] * len(rows), blank_ids=f.blank, vocab_size=f.vocab,
+                         control_ids=f.control)
+    assert dict(zip(rows, batch.drop_reasons())) == qc
+    by_shape = as_is = 0
+    for (case, k), row in rows.items():
+        head, ids = f.prompt_ids[-k:], row["output_ids"]
+        ordinary = not any(t in f.control for t in head)
+        whole_as_is = reply_well_formed(ids, row["finish_reason"], f.profile, prompt_opens_think=f.rendered_opens,
+                                        blank_ids=f.blank)
+        body = _reply_body(row)
+        if row["finish_reason"] == "length":
+            body["meta_info"]["finish_reason"] = {"type": "length", "length": len(ids)}
+        try:
+            parse_reply(body, f.prompt_ids, f.vocab, max_new_tokens=MAX_NEW, rid=row["sample_id"],
+                        control_ids=f.control, well_formed=check)
+        except ReplyError as exc:
+            client = exc.kind
+        else:
+            client = None
+        if ordinary and whole_as_is:  # begins like the prompt's tail and is whole as it stands: kept
+            as_is += 1
+            assert client is None and qc[(case, k)] in (None, "truncated_in_reasoning", "truncated_in_answer"), \
+                (case, k, qc[(case, k)], f.tok.decode(ids))
+        else:  # a control id in the head, or whole only without it: an echo, wherever it is met
+            by_shape += ordinary
+            assert client == qc[(case, k)] == "prompt_echo", (case, k, client, qc[(case, k)], f.tok.decode(ids))
+    # what each family's generation prompt allows (test_prompt_tails_and_who_opens_the_block): Qwen3 thinking ends
+    # "assistant\n" (two ordinary ids before a reply that opens <think>), Qwen3 without thinking "</think>\n\n" and
+    # R1 "<think>\n" (one ordinary id a whole reply may begin with), DeepSeek-V3 and Kimi end with a control id
+    expected = {"qwen3": (True, False), "qwen3-no-thinking": (False, True), "deepseek-r1": (False, True),
+                "deepseek-v3-template": (False, False), "kimi-k2-thinking": (False, False),
+                "kimi-k2.5": (False, False)}[name]
+    assert (by_shape > 0, as_is > 0) == expected, (by_shape, as_is)
+    # the well-formed replies themselves are kept by QC and the client alike
+    for case, row in _keep_cases(f).items():
+        assert f.segment(row).kept, case
+        max_new = json.loads(row["sampling_params"])["max_new_tokens"]
+        parse_reply(_reply_body(row), f.prompt_ids, f.vocab, max_new_tokens=max_new, rid=row["sample_id"],
+                    control_ids=f.control, well_formed=check)
+
+
+def test_structure_check_reads_the_prompts_fact_and_falls_back_to_the_renderers_rule(families):
+    q = families["qwen3"]
+    reply = q.reply("Okay.", "4")  # opens <think> itself: whole for a prompt that opened no block
+    assert StructureCheck(q.profile)(q.prompt_ids, reply, "stop")  # no mapping: opens_think_block of the prompt
+    assert not StructureCheck(q.profile, prompt_opens_think={"r": True})(q.prompt_ids, reply, "stop", "r")
+    assert StructureCheck(q.profile, prompt_opens_think={"r": True})(q.prompt_ids, reply, "stop", "other")
+    r1 = families["deepseek-r1"]
+    assert StructureCheck(r1.profile)(r1.prompt_ids, r1.reply("Okay.", "4"), "stop")  # R1 opens: <think>\n
+    # a cut at the cap is whole as far as it goes unless something before the cut breaks a rule
+    assert StructureCheck(r1.profile)(r1.prompt_ids, r1.enc("Okay, 2 and"), "length")
+    assert StructureCheck(r1.profile)(r1.prompt_ids, r1.enc("Okay.\n</think>\n\n4 is"), "length")
+    assert not StructureCheck(r1.profile)(r1.prompt_ids, r1.enc("Okay.</think>4</think>4 is"), "length")
+    assert not StructureCheck(r1.profile)(r1.prompt_ids, r1.reply("Okay.", "4"), "abort")

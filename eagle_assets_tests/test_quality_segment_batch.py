@@ -143,3 +143,36 @@ def test_sliced_batches_and_bad_offsets():
         segment_flat(np.zeros(3, dtype=np.int32), np.array([0, 5]), ["stop"], hand.PROFILE)
     with pytest.raises(ValueError, match="tool_call_in_reasoning"):
         segment_flat(np.zeros(0, dtype=np.int32), np.array([0]), [], hand.PROFILE, tool_call_in_reasoning="x")
+
+
+def test_echo_found_by_the_replys_shape_matches_the_reference_with_flags():
+    """Rows that begin with the prompt's ordinary tail ids, counted (no count, cap or control-id evidence): the
+    vectorised path must call an echo exactly where the reference does, with no flags left from later rules."""
+    from dataclasses import replace
+
+    t = hand
+    prompt = [t.IM_START, 40, 41]  # a generation prompt ending with two ordinary ids
+    whole = [t.THINK, 1, t.END_THINK, 5, t.IM_END]
+    cases = [
+        (prompt[-2:] + whole, "stop", False),  # whole only without the head: an echo
+        (prompt[-1:] + whole, "stop", False),
+        (prompt[-1:] + [5, 6, t.IM_END], "stop", False),  # whole as it stands: kept
+        # whole as it stands under implicit_think_start, malformed both ways without it
+        (prompt[-2:] + [1, t.END_THINK, 5, t.IM_END], "stop", False),
+        (prompt[-2:] + [t.THINK, 1, 2], "length", False),  # a cut: whole so far only without the head
+        (prompt[-2:] + whole, "length", False),  # stop id at the cap: flagged in the reference if kept
+        (prompt[-2:] + [9, t.END_THINK, 5, t.IM_END], "stop", True),  # opened by the prompt: whole as it stands
+        (prompt[-2:] + [t.THINK, 1, 2, t.END_THINK, t.END_THINK, t.IM_END], "stop", False),  # malformed both ways
+    ]
+    for implicit in (False, True):
+        profile = replace(t.PROFILE, implicit_think_start=implicit)
+        rows = [{"output_ids": ids, "finish_reason": fin, "completion_tokens": len(ids),
+                 "matched_stop": ids[-1] if fin == "stop" else None, "prompt_tokens": len(prompt),
+                 "sampling_params": json.dumps({"max_new_tokens": 64})} for ids, fin, _ in cases]
+        got = _assert_same(rows, profile, opens=[o for *_, o in cases], prompts=[prompt] * len(rows),
+                           blank_ids=frozenset({t.NL}), control_ids=frozenset({t.IM_START, t.THINK, t.END_THINK,
+                                                                               t.IM_END}))
+        reasons = got.drop_reasons()
+        assert reasons[0] == reasons[1] == reasons[4] == "prompt_echo" and reasons[2] is None
+        assert reasons[3] == (None if implicit else "think_end_without_start") and reasons[6] is None
+        assert reasons[7] not in (None, "prompt_echo")

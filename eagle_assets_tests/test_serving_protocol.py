@@ -221,3 +221,69 @@ def test_shared_rules_are_the_ones_parse_reply_applies():
     assert reply_defect([1, 2], completion_tokens=2, max_new_tokens=2) is None
     assert stop_mismatch([1, 2], 7) and not stop_mismatch([1, 2], 2) and not stop_mismatch([1, 2], "</s>")
     assert not stop_mismatch([1, 2], None) and stop_mismatch([], 2)
+
+
+# The shape rule (prompt_echo_length rule 4): a toy family whose reply must open its reasoning block with THINK at
+# the first output id and close it with END before the stop id 2 (the prompt CHAT_PROMPT opens no block).
+THINK, END = 30, 31
+
+
+def _toy_well_formed(calls: list | None = None):
+    def check(prompt_ids, output_ids, finish_type, rid) -> bool:
+        if calls is not None:
+            calls.append((tuple(prompt_ids), tuple(output_ids), finish_type, rid))
+        ids = list(output_ids)
+        if finish_type != "stop" or not ids or ids[-1] != 2 or 2 in ids[:-1]:
+            return False
+        if THINK in ids or END in ids:
+            return ids[0] == THINK and ids.count(THINK) == 1 and ids.count(END) == 1 and ids.index(END) < len(ids) - 2
+        return len(ids) > 1
+    return check
+
+
+def test_prompt_echo_found_by_the_replys_shape_when_the_counts_agree():
+    good = [THINK, 20, END, 21, 2]
+    for k in (1, 2):  # [15] and [14, 15]: ordinary ids, counted: only the shape betrays them
+        calls: list = []
+        body = reply(output_ids=CHAT_PROMPT[-k:] + good, prompt_tokens=len(CHAT_PROMPT))
+        err = _kind(body, prompt=CHAT_PROMPT, control_ids=CONTROL, well_formed=_toy_well_formed(calls))
+        assert err.kind == "prompt_echo" and f"last {k} prompt ids" in err.detail and err.retryable
+        assert "well-formed for its family only without them" in err.detail and "counted in" in err.detail
+        assert calls[0] == (tuple(CHAT_PROMPT), tuple(CHAT_PROMPT[-k:] + good), "stop", None)  # the request's facts
+        # without the check the same reply passes (the rules of before are unchanged)
+        assert parse_reply(body, CHAT_PROMPT, 100, control_ids=CONTROL).output_ids == CHAT_PROMPT[-k:] + good
+    # prompt_echo_length takes the same check bound to the reply: the k it returns is the echoed head
+    from eagle_assets.serving.protocol import prompt_echo_length
+
+    def shape(ids):
+        return _toy_well_formed()(CHAT_PROMPT, ids, "stop", None)
+
+    assert prompt_echo_length(CHAT_PROMPT[-2:] + good, CHAT_PROMPT, completion_tokens=7, control_ids=CONTROL,
+                              well_formed=shape) == 2
+    # a cut at the cap is judged by the caller's check too (the rid reaches it)
+    calls = []
+    cut = reply(output_ids=CHAT_PROMPT[-2:] + [THINK, 20, 21], finish={"type": "length", "length": 8},
+                prompt_tokens=len(CHAT_PROMPT))
+    parse_reply(cut, CHAT_PROMPT, 100, max_new_tokens=8, rid="r1", control_ids=CONTROL,
+                well_formed=_toy_well_formed(calls))
+    assert calls and all(c[2] == "length" and c[3] == "r1" for c in calls)
+
+
+def test_reply_beginning_like_the_prompt_tail_and_well_formed_as_it_stands_is_kept():
+    calls: list = []
+    check = _toy_well_formed(calls)
+    for k in (1, 2):
+        for tail in ([20, 21, 2], [THINK, 20, END, 21, 2][1:]):  # whole without reasoning; malformed both ways
+            body = reply(output_ids=CHAT_PROMPT[-k:] + tail, prompt_tokens=len(CHAT_PROMPT))
+            got = parse_reply(body, CHAT_PROMPT, 100, control_ids=CONTROL, well_formed=check)
+            assert got.output_ids == CHAT_PROMPT[-k:] + tail
+    # a well-formed reply that does not begin like the prompt's tail never reaches the check
+    calls.clear()
+    parse_reply(reply(output_ids=[THINK, 20, END, 21, 2], prompt_tokens=len(CHAT_PROMPT)), CHAT_PROMPT, 100,
+                control_ids=CONTROL, well_formed=check)
+    assert calls == []
+    # the other evidence still decides first, with the check given or not
+    err = _kind(_counted_echo(4), prompt=CHAT_PROMPT, control_ids=CONTROL, well_formed=check)
+    assert err.kind == "prompt_echo" and "last 4 prompt ids" in err.detail
+    uncounted = reply(output_ids=CHAT_PROMPT[-1:] + [20, 21, 2], completion_tokens=3, prompt_tokens=6)
+    assert _kind(uncounted, prompt=CHAT_PROMPT, well_formed=check).kind == "prompt_echo"

@@ -51,6 +51,7 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         """Raw output_ids + finish_reason from SGLang's native /generate; append-only shards, failures recorded."""
         from eagle_assets.assets.qc import blank_token_ids
         from eagle_assets.qc.live import LiveQualityMonitor
+        from eagle_assets.structure.segment import StructureCheck
         from eagle_assets.serving.client import GenerateClient
         from eagle_assets.serving.protocol import SamplingParams
         from eagle_assets.target_model.profile import detect_profile, target_vocab_size
@@ -104,16 +105,23 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         shown_urls = [client.redact(u) for u in urls] if client else []
         # The same segmentation and thresholds as qc_shards, applied as rows arrive; a finished partition has no
         # rows arriving, so it skips the (vocab-sized) blank-id scan.
+        blank = blank_token_ids(tokenizer) if pending else frozenset()
+        opens = prompts.opens_map(profile)
         monitor = LiveQualityMonitor(
-            profile, spec.thresholds, spec.live, blank_ids=blank_token_ids(tokenizer),
-            tool_call_in_reasoning=spec.tool_call_in_reasoning, prompt_opens_think=prompts.opens_map(profile),
+            profile, spec.thresholds, spec.live, blank_ids=blank,
+            tool_call_in_reasoning=spec.tool_call_in_reasoning, prompt_opens_think=opens,
             partition=key, prompt_ids=prompts.ids_map(arrays=True), vocab_size=vocab_size, control_ids=control,
         ) if pending else None
+        # the client's evidence for an echo only the reply's shape betrays: QC's structure rules, this partition's
+        # prompt_opens_think and policy (so the client refuses what QC would name prompt_echo, nothing else)
+        shape = StructureCheck(profile, prompt_opens_think=opens, tool_call_in_reasoning=spec.tool_call_in_reasoning,
+                               blank_ids=blank)
         context.log.info(f"generating {len(prompts)} prompts of {key} against {shown_urls or 'no server (all done)'}")
         try:
             stats = run_generation(
                 prompts, out, client, sampling, vocab_size, progress=context.log.info, flush_rows=FLUSH_ROWS,
                 regenerate=regenerate, monitor=monitor, alarm=context.log.warning, control_ids=control,
+                well_formed=shape,
             )
         except PartitionBusyError as exc:
             raise dg.Failure(

@@ -196,6 +196,7 @@ def run_generation(
     monitor=None,
     alarm: Callable[[str], None] | None = None,
     control_ids: Collection[int] | None = None,
+    well_formed: Callable[..., bool] | None = None,
 ) -> GenerationStats:
     """Generate every prompt not yet in ``out_dir``'s shards; append new shards; rewrite ``failures.parquet``.
 
@@ -217,6 +218,10 @@ def run_generation(
         control_ids: the target's special and added token ids (``target_model.render.control_token_ids``), passed
             to the client: the evidence for a prompt echo that the server counted in ``completion_tokens`` (None =
             unknown; ``protocol.prompt_echo_length``).
+        well_formed: the family's structure check passed to the client (``serving.protocol.WellFormed``, e.g.
+            ``structure.segment.StructureCheck``; the sample id is its ``rid``): a reply well-formed only without a
+            head that repeats the prompt's tail is a ``prompt_echo`` (retried, then a failure row, never a shard
+            row). None = off.
     Returns: ``GenerationStats`` (``stopped_early`` when the monitor stopped the run).
     Raises:
         PartitionBusyError: another process is generating into ``out_dir``.
@@ -234,7 +239,7 @@ def run_generation(
             clear_shards(out_dir, extra=[FAILURES_FILE, LIVE_STATS_FILE])
         return _run_locked(prompts, out_dir, client, sampling, vocab_size, flush_rows, flush_seconds, progress,
                            progress_every_s, monitor, alarm or progress,
-                           None if control_ids is None else frozenset(control_ids))
+                           None if control_ids is None else frozenset(control_ids), well_formed)
 
 
 def _live_json(snapshot: dict) -> bytes:
@@ -347,8 +352,8 @@ def _seed_monitor(monitor, out_dir: Path, wanted: set[str]) -> None:
 
 
 def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows, flush_seconds, progress,
-                progress_every_s, monitor=None, alarm=None, control_ids: frozenset[int] | None = None
-                ) -> GenerationStats:
+                progress_every_s, monitor=None, alarm=None, control_ids: frozenset[int] | None = None,
+                well_formed: Callable[..., bool] | None = None) -> GenerationStats:
     from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
     from eagle_assets.serving.client import run_sync
 
@@ -509,11 +514,11 @@ def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows
 
         ticker = asyncio.ensure_future(timer())
         try:
-            if control_ids is not None:
-                await client.generate_many(pending(), sampling, vocab_size=vocab_size, on_result=on_result,
-                                           control_ids=control_ids)
-            else:  # a client without the echo evidence (any object with the same generate_many) still works
-                await client.generate_many(pending(), sampling, vocab_size=vocab_size, on_result=on_result)
+            # a client without the echo evidence (any object with the same generate_many) still works: only the
+            # evidence given is passed
+            evidence = {k: v for k, v in (("control_ids", control_ids), ("well_formed", well_formed))
+                        if v is not None}
+            await client.generate_many(pending(), sampling, vocab_size=vocab_size, on_result=on_result, **evidence)
         finally:
             ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -12,7 +12,8 @@ per-row question ("how many stop ids in the body", "where is the first think-end
 positions against per-row bounds: a handful of passes over the tokens and O(rows) work after that. Two rules stay
 per row, on the few rows that need them, by calling the reference's own functions: the prompt echo
 (``protocol.prompt_echo_length``, only for rows whose first id occurs in the prompt's last ``ECHO_WINDOW`` ids or
-whose counts disagree) and the tool-call pairing (``segment.tool_spans``, only over the marker ids of rows that
+whose counts disagree; its shape rule, ``segment.reply_well_formed`` as the evidence, only for those of them that
+the other rules drop, since a kept row is well-formed as it stands) and the tool-call pairing (``segment.tool_spans``, only over the marker ids of rows that
 have markers in their answer).
 """
 
@@ -25,7 +26,8 @@ from typing import Any, Collection, Sequence
 import numpy as np
 import pyarrow as pa
 
-from eagle_assets.structure.segment import DROP_REASONS, FLAGS, Segmentation, tool_spans, row_max_new_tokens
+from eagle_assets.structure.segment import (DROP_REASONS, FLAGS, Segmentation, tool_spans, reply_well_formed,
+                                          row_max_new_tokens)
 from eagle_assets.serving.protocol import ECHO_WINDOW, prompt_echo_length
 
 KEPT = -1  # drop code of a kept row
@@ -254,6 +256,7 @@ def segment_flat(
         drop("id_out_of_vocab", _count(bad, start, end) > 0)
     ct, has_ct = _optional_ints(completion_tokens, n)
     cap, has_cap = _optional_ints(max_new_tokens, n)
+    head_like = np.zeros(0, dtype=np.int64)
     if prompt_values is not None:
         pv = np.asarray(prompt_values)
         po = np.asarray(prompt_offsets, dtype=np.int64)
@@ -272,6 +275,7 @@ def segment_flat(
             valid = k[None, :] <= window[:, None]
             tail = pv[np.where(valid, where, 0)] if len(pv) else np.zeros(where.shape, dtype=values.dtype)
             hit = np.any(valid & (tail == first_out[:, None]), axis=1)
+            head_like = maybe_idx[hit]  # the rows the shape rule may call an echo (decided at the end)
             hit |= has_ct[maybe_idx] & (n_out[maybe_idx] > ct[maybe_idx])
             hit |= has_cap[maybe_idx] & (n_out[maybe_idx] > cap[maybe_idx])
             control = None if control_ids is None else frozenset(control_ids)
@@ -282,6 +286,7 @@ def segment_flat(
                     completion_tokens=int(ct[i]) if has_ct[i] else None, cap=int(cap[i]) if has_cap[i] else None,
                     control_ids=control) > 0
             drop("prompt_echo", echo)
+            head_like = head_like[~echo[head_like]]
     drop("length_mismatch", has_ct & (n_out != ct))
     drop("too_long", has_cap & (n_out > cap))
     if prompt_values is not None:
@@ -378,6 +383,24 @@ def segment_flat(
     blank = _positions(cls & 32) if blank_ids else np.zeros(0, dtype=np.int64)
     empty = _count(blank, a_start, a_end) == answer
     drop("empty_answer", empty)
+
+    # -- the prompt echo's shape rule (reply_defect's, so it outranks every rule after prompt_echo): a row that
+    # begins like its prompt's tail and is dropped may be well-formed only without that head
+    if len(head_like):
+        control = None if control_ids is None else frozenset(control_ids)
+        blank_set = frozenset(blank_ids)
+        for i in head_like[code[head_like] != KEPT].tolist():
+            finish_name = "stop" if finish[i] == _FINISH_STOP else "length"
+
+            def shape(ids, finish_name=finish_name, opens=bool(opens_in[i])) -> bool:
+                return reply_well_formed(ids, finish_name, profile, prompt_opens_think=opens,
+                                         tool_call_in_reasoning=tool_call_in_reasoning, blank_ids=blank_set)
+
+            if prompt_echo_length(values[start[i]:end[i]].tolist(), pv[p_start[i]:p_end[i]].tolist(),
+                                  completion_tokens=int(ct[i]) if has_ct[i] else None,
+                                  cap=int(cap[i]) if has_cap[i] else None, control_ids=control, well_formed=shape):
+                code[i] = _CODE["prompt_echo"]
+                flags[i] = 0
 
     # spans as the reference reports them: zeros for the protocol and stop drops, no answer for an empty one
     early = (code >= 0) & (code <= _CODE["stop_token_mid_output"])

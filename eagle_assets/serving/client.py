@@ -10,7 +10,8 @@ by ``parse_reply``). Transport choices and why:
   parsed once, in ``parse_reply``.
 - Retried (exponential backoff with jitter, ``Retry-After`` honoured): connection errors, timeouts, HTTP 408/429/5xx,
   and replies that fail validation (bad or truncated JSON, ``completion_tokens`` disagreeing with ``output_ids``,
-  a prompt echo in ``output_ids`` whether counted or not, ``finish_reason`` abort, ...). Not retried: HTTP 400/422 (the request is invalid), 401/403 (API key), 404 (wrong
+  a prompt echo in ``output_ids`` whether counted or not (with the caller's ``well_formed`` check, also one that only
+  the reply's shape betrays), ``finish_reason`` abort, ...). Not retried: HTTP 400/422 (the request is invalid), 401/403 (API key), 404 (wrong
   URL), aborts carrying a 4xx status. A retry prefers another server when there are several.
 - ``post_many`` / ``post_all`` send prepared bodies of other ``/generate`` requests (aux-hidden-state capture for
   served drafter features) through the same loop: the caller's ``parse`` raises ``ReplyError`` for an unusable reply.
@@ -43,7 +44,8 @@ import aiohttp
 import orjson
 
 from eagle_assets.figures.running import DurationSketch
-from eagle_assets.serving.protocol import GenerateFailure, GenerateReply, ReplyError, SamplingParams, parse_reply
+from eagle_assets.serving.protocol import (GenerateFailure, GenerateReply, ReplyError, SamplingParams, WellFormed,
+                                           parse_reply)
 
 Result = GenerateReply | GenerateFailure
 _USERINFO = re.compile(r"//[^/@\s]+@")
@@ -240,6 +242,7 @@ class GenerateClient:
         vocab_size: int | None = None,
         on_result: OnResult | None = None,
         control_ids: Collection[int] | None = None,
+        well_formed: WellFormed | None = None,
     ) -> ClientStats:
         """Generate every item; call ``on_result(rid, GenerateReply | GenerateFailure)`` as each one finishes.
 
@@ -255,6 +258,11 @@ class GenerateClient:
                 (``protocol.prompt_echo_length``); None = unknown (then 3 or more ids repeating the prompt's end
                 are the evidence). An echo is retried like every invalid reply, then recorded as a ``prompt_echo``
                 failure.
+            well_formed: the target family's structure check (``protocol.WellFormed``: ``(prompt_ids, output_ids,
+                finish_type, rid) -> bool``, e.g. ``structure.segment.StructureCheck``, built by the generation
+                stage): a reply whose first ids repeat the prompt's last ids and that is well-formed only without
+                them is a ``prompt_echo`` too, even when the counts agree and the ids are ordinary (retried, then
+                a failure); a reply well-formed as it stands is kept. None = that evidence is off.
         Returns:
             ``ClientStats`` (also kept as ``self.last_stats``).
         Invalid items (empty ids, non-int or out-of-vocab ids) become ``GenerateFailure(kind="bad_input",
@@ -298,7 +306,7 @@ class GenerateClient:
                     rid, ids = str(item[0]), item[1]
                     sp = item[2] if len(item) > 2 and item[2] is not None else sampling
                     result = await self._generate_one(session, servers, rid, ids, sp, sampling_bytes(sp),
-                                                      vocab_size, stats, control)
+                                                      vocab_size, stats, control, well_formed)
                 if isinstance(result, GenerateReply):
                     stats.succeeded += 1
                     stats.latencies_s.append(result.latency_s)
@@ -331,7 +339,7 @@ class GenerateClient:
 
     def generate_all(
         self, items: Iterable[tuple], sampling: SamplingParams, vocab_size: int | None = None,
-        control_ids: Collection[int] | None = None,
+        control_ids: Collection[int] | None = None, well_formed: WellFormed | None = None,
     ) -> list[Result]:
         """Synchronous ``generate_many``: returns one result per item, in input order.
 
@@ -350,7 +358,7 @@ class GenerateClient:
         def on_result(rid: str, result: Result) -> None:
             results[position[rid]] = result
 
-        run_sync(self.generate_many(items, sampling, vocab_size, on_result, control_ids))
+        run_sync(self.generate_many(items, sampling, vocab_size, on_result, control_ids, well_formed))
         return results  # type: ignore[return-value]
 
     async def post_many(self, items: Iterable[tuple[str, bytes]], parse: Callable[[str, bytes], Any],
@@ -466,6 +474,7 @@ class GenerateClient:
         vocab_size: int | None,
         stats: ClientStats,
         control_ids: frozenset[int] | None = None,
+        well_formed: WellFormed | None = None,
     ) -> Result:
         started = time.monotonic()
         ids, problem = self._check_input(ids, vocab_size)
@@ -475,7 +484,8 @@ class GenerateClient:
                          json.dumps(rid).encode(), b"}"))
 
         def parse(raw: bytes) -> GenerateReply:
-            return parse_reply(raw, ids, vocab_size, max_new_tokens=sp.max_new_tokens, rid=rid, control_ids=control_ids)
+            return parse_reply(raw, ids, vocab_size, max_new_tokens=sp.max_new_tokens, rid=rid, control_ids=control_ids,
+                               well_formed=well_formed)
 
         sent = await self._send(session, servers, rid, body, parse, stats)
         if isinstance(sent, GenerateFailure):

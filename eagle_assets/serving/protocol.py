@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Collection, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 import orjson
 
@@ -51,6 +51,13 @@ ECHO_WINDOW = 64
 # Without the target's control ids, this many ids repeating the prompt's end are the evidence: the last ids of a
 # rendered prompt are the end of the user turn and the assistant header, which no reply begins by repeating.
 ECHO_MIN_IDS = 3
+
+# The injected structural check (``WellFormed``): ``well_formed(prompt_ids, output_ids, finish_type, rid)`` is True
+# when ``output_ids`` (ints), finished as ``finish_type`` ("stop" / "length"), are a well-formed reply of the target's
+# family to the prompt ``prompt_ids`` (request ``rid``, None when unknown); a reply cut at the cap counts as
+# well-formed when nothing before the cut breaks a rule. The serving layer knows no family: the generation stage
+# builds it from the family profile and QC's segmentation (``structure.segment.StructureCheck``).
+WellFormed = Callable[[Sequence[int], Sequence[int], str, "str | None"], bool]
 
 # SGLang sampling keys this project does not use; a request may carry them only at SGLang's default values.
 _IGNORABLE_AT_DEFAULT: dict[str, tuple[Any, ...]] = {
@@ -375,6 +382,7 @@ def prompt_echo_length(
     completion_tokens: int | None = None,
     cap: int | None = None,
     control_ids: Collection[int] | None = None,
+    well_formed: Callable[[Sequence[int]], bool] | None = None,
 ) -> int:
     """How many ids at the head of ``output_ids`` are an echo of the prompt's tail; 0 when there is no evidence.
 
@@ -389,10 +397,17 @@ def prompt_echo_length(
        completion follows the generation prompt; it never begins by writing the chat template's structure that
        ends the prompt again. The longest such k (up to ``ECHO_WINDOW``) is the echo. When the caller does not
        know the target's tokens (``control_ids`` None), k >= ``ECHO_MIN_IDS`` is the structural evidence instead.
+    4. the reply's shape: ``well_formed(output_ids)`` is False and ``well_formed(output_ids[k:])`` is True: the
+       reply is well-formed for its family only without the k ids (e.g. Qwen3's prompt ends ``assistant\n``,
+       ordinary ids, and ``output_ids`` = ``assistant\n<think>...</think>...``: only without them does the reasoning
+       block open at the first output id, where the prompt expects it). The longest such k is the echo. A reply
+       that begins like the prompt's tail and is well-formed as it stands is no echo by this rule.
 
     Args: ``output_ids`` and ``prompt_ids`` (ints; None prompt = no check), ``completion_tokens`` and ``cap``
-    (None = that evidence is unavailable), ``control_ids`` (None = unknown).
-    Returns: k (>= 1) or 0. Never raises for well-typed input.
+    (None = that evidence is unavailable), ``control_ids`` (None = unknown), ``well_formed`` (the family's
+    structure check of this reply, bound to its prompt and finish reason, e.g. a ``WellFormed``; None = rule 4 off;
+    it is called only when some head repeats the prompt's tail and rules 1-3 found nothing).
+    Returns: k (>= 1) or 0. Never raises for well-typed input (``well_formed``'s own errors propagate).
     """
     if not prompt_ids or not output_ids:
         return 0
@@ -408,6 +423,12 @@ def prompt_echo_length(
             continue
         if control_ids is None or any(t in control_ids for t in output_ids[:k]):
             return k
+    if well_formed is not None:
+        heads = [k for k in range(window, 0, -1) if prompt_ids[-k] == first and _is_tail(output_ids, prompt_ids, k)]
+        if heads and not well_formed(output_ids):
+            for k in heads:
+                if well_formed(output_ids[k:]):
+                    return k
     return 0
 
 
@@ -428,10 +449,12 @@ def reply_defect(
     vocab_size: int | None = None,
     max_new_tokens: int | None = None,
     control_ids: Collection[int] | None = None,
+    well_formed: Callable[[Sequence[int]], bool] | None = None,
 ) -> Defect | None:
     """The first protocol rule ``output_ids`` break, in this order, or None.
 
-    ``id_out_of_vocab`` (an id outside ``[0, vocab_size)``), ``prompt_echo`` (``prompt_echo_length`` > 0),
+    ``id_out_of_vocab`` (an id outside ``[0, vocab_size)``), ``prompt_echo`` (``prompt_echo_length`` > 0, with
+    ``control_ids`` and ``well_formed`` as the evidence it names),
     ``length_mismatch`` (``len(output_ids) != completion_tokens``), ``too_long`` (more ids than
     ``max_new_tokens``). Arguments left None skip their rule (a stored row of an older producer may lack
     ``completion_tokens``). The matched-stop rule is ``stop_mismatch``.
@@ -445,14 +468,17 @@ def reply_defect(
         )
     n_out = len(output_ids)
     echo = prompt_echo_length(output_ids, prompt_ids, completion_tokens=completion_tokens, cap=max_new_tokens,
-                              control_ids=control_ids)
+                              control_ids=control_ids, well_formed=well_formed)
     if echo:
         counted = "not counted in" if completion_tokens is not None and n_out - completion_tokens == echo else \
             "counted in"
+        shape = ""
+        if well_formed is not None and not well_formed(output_ids) and well_formed(output_ids[echo:]):
+            shape = "; the reply is well-formed for its family only without them"
         return Defect(
             "prompt_echo",
             f"output_ids start with the last {echo} prompt ids {list(output_ids[:echo])} ({n_out} ids, "
-            f"completion_tokens={completion_tokens}: the echo is {counted} it); this SGLang version returns the "
+            f"completion_tokens={completion_tokens}: the echo is {counted} it{shape}); this SGLang version returns the "
             "incremental-detokenization prompt tail in output_ids: upgrade SGLang (the rows would otherwise "
             "duplicate prompt tokens)",
         )
@@ -483,6 +509,7 @@ def parse_reply(
     max_new_tokens: int | None = None,
     rid: str | None = None,
     control_ids: Collection[int] | None = None,
+    well_formed: WellFormed | None = None,
 ) -> GenerateReply:
     """Validate one ``/generate`` reply and return it as a ``GenerateReply``.
 
@@ -495,6 +522,9 @@ def parse_reply(
         control_ids: the target's special and added token ids (``target_model.render.control_token_ids``): the
             evidence that finds an echo whose ids are counted in ``completion_tokens`` (``prompt_echo_length``);
             None = unknown, then ``ECHO_MIN_IDS`` ids repeating the prompt's end are the evidence.
+        well_formed: the target family's structure check (``WellFormed``, called with ``prompt_ids``, the ids, the
+            finish type and ``rid``): an echo whose removal alone makes the reply well-formed is ``prompt_echo``
+            even when the counts agree and the echoed ids are ordinary (``prompt_echo_length`` rule 4); None = off.
     Returns:
         the reply, with ``len(output_ids) == completion_tokens`` guaranteed.
     Raises:
@@ -539,8 +569,12 @@ def parse_reply(
         raise ReplyError("bad_type", f"output_ids must be a list of ints, found {bad!r}")
     completion = _int_field(meta, "completion_tokens")
     prompt_tokens = _int_field(meta, "prompt_tokens")
+    shape = None
+    if well_formed is not None and prompt_ids is not None:
+        def shape(ids: Sequence[int]) -> bool:
+            return well_formed(prompt_ids, ids, finish.type, rid)
     defect = reply_defect(output_ids, completion_tokens=completion, prompt_ids=prompt_ids, vocab_size=vocab_size,
-                          max_new_tokens=max_new_tokens, control_ids=control_ids)
+                          max_new_tokens=max_new_tokens, control_ids=control_ids, well_formed=shape)
     if defect is not None:
         raise ReplyError(defect.kind, defect.detail)
     if prompt_ids is not None and prompt_tokens != len(prompt_ids):

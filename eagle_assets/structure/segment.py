@@ -26,7 +26,8 @@ DROP_REASONS: tuple[str, ...] = (
     "unknown_finish_reason",  # finish_reason is none of stop / length / abort (or missing)
     "id_out_of_vocab",  # an output id outside [0, target vocab size)
     "length_mismatch",  # len(output_ids) != meta_info.completion_tokens
-    "prompt_echo",  # output_ids begin with the prompt's tail, counted or not (protocol.prompt_echo_length)
+    "prompt_echo",  # output_ids begin with the prompt's tail, counted or not, or well-formed only without it
+    # (protocol.prompt_echo_length; the shape rule with reply_well_formed)
     "too_long",  # more output ids than the request's max_new_tokens
     "prompt_tokens_mismatch",  # meta_info.prompt_tokens != len(prompt_ids): generated from another prompt
     "no_stop_token",  # finish_reason stop, but the last id is not one of the model's stop ids
@@ -139,7 +140,9 @@ def segment_output(
             ``implicit_think_start``, is everything before the first think-end).
         tool_call_in_reasoning: "drop" (default) or "keep" (kept and flagged).
         blank_ids: ids that decode to whitespace only; an answer made only of them counts as empty.
-        prompt_ids: the request's ``input_ids``, for the prompt-echo rule (None = not checked).
+        prompt_ids: the request's ``input_ids``, for the prompt-echo rule (None = not checked), with this row's
+            structure as evidence too (``reply_well_formed``: well-formed only without a head repeating the
+            prompt's tail = ``prompt_echo``).
         prompt_tokens: ``meta_info.prompt_tokens``; checked against ``len(prompt_ids)`` (None = not checked).
         vocab_size: every id must lie in ``[0, vocab_size)`` (``target_model.profile.target_vocab_size``).
         control_ids: the target's special and added token ids (``target_model.render.control_token_ids``), the
@@ -166,8 +169,13 @@ def segment_output(
         return drop("abort")
     if finish_reason not in ("stop", "length"):
         return drop("unknown_finish_reason")
+    shape = None
+    if prompt_ids is not None:
+        def shape(candidate: Sequence[int]) -> bool:
+            return reply_well_formed(candidate, finish_reason, profile, prompt_opens_think=prompt_opens_think,
+                                     tool_call_in_reasoning=tool_call_in_reasoning, blank_ids=blank_ids)
     defect = reply_defect(ids, completion_tokens=completion_tokens, prompt_ids=prompt_ids, vocab_size=vocab_size,
-                          max_new_tokens=max_new_tokens, control_ids=control_ids)
+                          max_new_tokens=max_new_tokens, control_ids=control_ids, well_formed=shape)
     if defect is not None:
         return drop(defect.kind)
     if prompt_ids is not None and prompt_tokens is not None and prompt_tokens != len(prompt_ids):
@@ -235,6 +243,87 @@ def segment_output(
     if all(t in blank_ids for t in answer):
         return drop("empty_answer", len(reasoning), 0)
     return Segmentation(len(reasoning), len(answer), tool_tokens, n_calls, None, tuple(flags))
+
+
+# What a reply cut at its cap may still break only because it was cut: closing it there (its end-of-turn id appended)
+# leaves the reasoning open, a tool call open, or no answer yet.
+_CUT_SHORT = (None, "missing_think_end", "unbalanced_tool_call", "empty_answer")
+
+
+def reply_well_formed(
+    output_ids: Sequence[int],
+    finish_reason: str | None,
+    profile,
+    *,
+    prompt_opens_think: bool = True,
+    tool_call_in_reasoning: str = "drop",
+    blank_ids: frozenset[int] = frozenset(),
+) -> bool:
+    """Whether ``output_ids`` have the structure of a whole reply of ``profile``'s family: the structural rules of
+    ``segment_output`` (stop ids, the reasoning block, tool calls, a non-empty answer), none of the protocol rules
+    (counts, cap, vocab, echo, which judge the server, not the shape).
+
+    A reply that finished by ``length`` without a stop id is judged as far as it goes: it is well-formed when
+    ending it right there (the family's end-of-turn id appended) breaks nothing but what more tokens would mend
+    (``_CUT_SHORT``: the reasoning or a tool call still open, no answer yet).
+
+    Args: ``output_ids`` (ints), ``finish_reason`` ("stop" / "length"; anything else is never well-formed),
+    ``profile`` (``FamilyProfile``), ``prompt_opens_think`` (``tokenized_prompts.prompt_opens_think``),
+    ``tool_call_in_reasoning``, ``blank_ids``: as in ``segment_output``.
+    Returns: a bool. Raises: ``ValueError`` for an unknown policy.
+
+    This is the evidence ``serving.protocol.prompt_echo_length`` (rule 4) takes for an echo that neither the counts
+    nor control ids betray: the reply is not well-formed, but is without the ids that repeat the prompt's tail.
+    """
+    ids = list(output_ids)
+    kw = dict(prompt_opens_think=prompt_opens_think, tool_call_in_reasoning=tool_call_in_reasoning,
+              blank_ids=blank_ids)
+    if finish_reason == "length" and not (ids and ids[-1] in profile.stop_ids):
+        closed = segment_output(ids + [profile.end_of_turn_id], "stop", profile, **kw)
+        return closed.drop_reason in _CUT_SHORT
+    return segment_output(ids, finish_reason, profile, **kw).kept
+
+
+class StructureCheck:
+    """The client's structure check (``serving.protocol.WellFormed``) for one target: ``check(prompt_ids,
+    output_ids, finish_type, rid)`` is ``reply_well_formed`` with this family's profile and the partition's policy.
+
+    Args:
+        profile: the target's ``FamilyProfile``.
+        prompt_opens_think: request id -> ``tokenized_prompts.prompt_opens_think`` (a Mapping, e.g.
+            ``PromptsFile.opens_map``, or the turn table's column); for an id it does not hold (or None), the
+            renderer's rule ``target_model.render.opens_think_block`` over the prompt ids decides.
+        tool_call_in_reasoning, blank_ids: as in ``segment_output`` (the partition's, so the client refuses what QC
+            would call an echo, and nothing else).
+    """
+
+    def __init__(self, profile, *, prompt_opens_think: Mapping[str, bool] | None = None,
+                 tool_call_in_reasoning: str = "drop", blank_ids: Collection[int] = frozenset()):
+        if tool_call_in_reasoning not in ("drop", "keep"):
+            raise ValueError(f"tool_call_in_reasoning must be 'drop' or 'keep', got {tool_call_in_reasoning!r}")
+        self.profile = profile
+        self.prompt_opens_think = prompt_opens_think
+        self.tool_call_in_reasoning = tool_call_in_reasoning
+        self.blank_ids = frozenset(blank_ids)
+
+    def opens(self, prompt_ids: Sequence[int], rid: str | None) -> bool:
+        """``prompt_opens_think`` of request ``rid`` (the mapping's value, else the renderer's rule)."""
+        known = None
+        if self.prompt_opens_think is not None and rid is not None:
+            known = self.prompt_opens_think.get(rid)
+        if known is not None:
+            return bool(known)
+        from eagle_assets.target_model.render import opens_think_block
+
+        return opens_think_block(prompt_ids, self.profile)
+
+    def __call__(self, prompt_ids: Sequence[int], output_ids: Sequence[int], finish_type: str,
+                 rid: str | None = None) -> bool:
+        return reply_well_formed(output_ids, finish_type, self.profile, prompt_opens_think=self.opens(prompt_ids, rid),
+                                 tool_call_in_reasoning=self.tool_call_in_reasoning, blank_ids=self.blank_ids)
+
+    def __repr__(self) -> str:
+        return f"StructureCheck(profile={self.profile.name!r}, tool_call_in_reasoning={self.tool_call_in_reasoning!r})"
 
 
 def row_max_new_tokens(row: Mapping[str, Any]) -> int | None:
