@@ -12,6 +12,7 @@ K2.5's are built from V3's and K2-Thinking's exactly as ``test_quality_families`
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -129,7 +130,7 @@ def test_qwen3_thinking_off_and_on_render_their_own_histories(toks):
     assert turn_row_id("s", "on", 2) == "s:on:2"
 
 
-def test_deepseek_r1_history_drops_reasoning_and_tool_outputs_end_the_conversation(toks):
+def test_deepseek_r1_history_drops_reasoning_and_answers_right_after_tool_outputs(toks):
     tok = toks["deepseek-r1"]
     dataset = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
                {"role": "user", "content": "And times 3?"}]
@@ -141,16 +142,44 @@ def test_deepseek_r1_history_drops_reasoning_and_tool_outputs_end_the_conversati
     assert prompts[1].prompt_ids == _template_ids(tok, history, None)
     assert "Add them." not in prompts[1].text and "2+2 is 4.<｜end▁of▁sentence｜>" in prompts[1].text
     assert walk.ended == COMPLETE and walk.turn == 2
-    # the DeepSeek template writes no assistant header after tool outputs: the next turn cannot be rendered
+    # After tool outputs the DeepSeek template writes no assistant header; SGLang serves its text as is, so the turn
+    # after a tool result is the template's text ending at <｜tool▁outputs▁end｜>, and the model's answer follows it
     call = ("Look it up.\n</think>\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
             '```json\n{"city": "Rome"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>')
-    settings = _settings(tok)
+    replies = [call, "The tool says sunny.\n</think>\n\nIt is sunny in Rome.<｜end▁of▁sentence｜>",
+               "Sunny means dry.\n</think>\n\nNo.<｜end▁of▁sentence｜>"]
+    walk, prompts = _drive(tok, replies)
+    assert len(prompts) == 3 and (walk.ended, walk.end_turn, walk.tool_results) == (COMPLETE, 3, 1)
+    a1 = {"role": "assistant", "content": "", "tool_calls": [_call("call_s_1_0")], "reasoning_content": "Look it up.\n"}
+    tool = {"role": "tool", "content": RESULT["content"], "tool_call_id": "call_s_1_0"}
+    a2 = {"role": "assistant", "content": "It is sunny in Rome.", "reasoning_content": "The tool says sunny.\n"}
+    assert walk.history[:6] == [SYSTEM, USER1, a1, tool, a2, USER2]
+    for k, history in enumerate([[SYSTEM, USER1], [SYSTEM, USER1, a1, tool], [SYSTEM, USER1, a1, tool, a2, USER2]]):
+        assert prompts[k].prompt_ids == _template_ids(tok, _deepseek_args(history), None), f"turn {k + 1}"
+    outputs_end = tok.convert_tokens_to_ids("<｜tool▁outputs▁end｜>")
+    assert prompts[1].prompt_ids[-1] == outputs_end and not prompts[1].opens_think
+    assert prompts[1].flags["generation_prompt"] == "" and prompts[1].flags["generation_prompt_tokens"] == 0
+    # turn 3's history renders the answer right after the tool outputs: turn 2's prompt, then its answer
+    assert "<｜tool▁outputs▁end｜>It is sunny in Rome.<｜end▁of▁sentence｜><｜User｜>" in prompts[2].text
+    # without the family rule (the catalog override) the turn after the tool result is refused as before
     walk = ConversationWalk.start("s", "default", DATASET)
-    rendered = render_turn(walk, settings, None)
-    take_reply(walk, _row(tok, call), rendered, settings)
+    settings = _settings(tok)
+    settings.profile = detect_profile(tok, {"answer_after_tool_outputs": False})
+    take_reply(walk, _row(tok, call), render_turn(walk, settings, None), settings)
     assert walk.history[-2]["tool_calls"] == [_call("call_s_1_0")] and walk.history[-1]["role"] == "tool"
     assert render_turn(walk, settings, None) is None
     assert (walk.ended, walk.end_detail, walk.end_turn) == (RENDER_REJECTED, "missing_generation_prompt", 2)
+
+
+def _deepseek_args(history: list[dict]) -> list[dict]:
+    """``history`` with tool-call arguments as JSON strings, as ``render_prompt`` retries for DeepSeek's template."""
+    out = []
+    for m in history:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
+                c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]}
+        out.append(m)
+    return out
 
 
 @pytest.mark.parametrize("family", ["kimi-k2-thinking", "kimi-k2.5"])

@@ -18,6 +18,7 @@ from eagle_assets.target_model import (
     load_tokenizer,
     render_prompt,
 )
+from eagle_assets.target_model.render import render_prompts
 from eagle_assets.target_model.tokenizer import TokenizerLoadError
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -169,6 +170,52 @@ def test_tool_history_arguments(qwen, deepseek):
     assert d.flags["tool_arguments_as_string"]
     assert '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Rome"}\n```<｜tool▁call▁end｜>' in d.text
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"}  # caller's messages untouched
+
+
+AFTER_TOOL = [
+    {"role": "user", "content": "Weather in Rome?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+    {"role": "tool", "content": '{"sky": "sunny"}'},
+]
+
+
+def test_deepseek_v3_prompt_after_tool_outputs_is_the_template_text_sglang_serves(deepseek, qwen):
+    prof = detect_profile(deepseek)
+    assert prof.answer_after_tool_outputs and not detect_profile(qwen).answer_after_tool_outputs
+    r = render_prompt(deepseek, AFTER_TOOL, profile=prof)
+    # SGLang (serving_chat._apply_jinja_template): apply_chat_template(add_generation_prompt=True), encoded as is
+    args_as_text = [AFTER_TOOL[0], {**AFTER_TOOL[1], "tool_calls": [{"type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Rome"}'}}]}, AFTER_TOOL[2]]
+    served = deepseek.apply_chat_template(args_as_text, add_generation_prompt=True, tokenize=False)
+    assert r.prompt_ids == deepseek(served, add_special_tokens=False)["input_ids"]
+    ids = deepseek.convert_tokens_to_ids
+    tail = [ids("<｜tool▁calls▁end｜>"), ids("<｜end▁of▁sentence｜>"), ids("<｜tool▁outputs▁begin｜>"),
+            ids("<｜tool▁output▁begin｜>")]
+    body = deepseek('{"sky": "sunny"}', add_special_tokens=False)["input_ids"]
+    assert r.prompt_ids[-(len(tail) + len(body) + 2):] == tail + body + [ids("<｜tool▁output▁end｜>"), ids("<｜tool▁outputs▁end｜>")]
+    assert ids("<｜Assistant｜>") not in r.prompt_ids[r.prompt_ids.index(ids("<｜tool▁calls▁end｜>")):]
+    assert (r.flags["generation_prompt"], r.flags["generation_prompt_tokens"], r.opens_think) == ("", 0, False)
+    # the template's own answer after the tool results continues exactly these ids
+    answered = deepseek.apply_chat_template(args_as_text + [{"role": "assistant", "content": "It is sunny."}],
+                                            tokenize=False)
+    assert answered == served + "It is sunny.<｜end▁of▁sentence｜>"
+    assert deepseek(answered, add_special_tokens=False)["input_ids"][:r.n_prompt_tokens] == r.prompt_ids
+    batched = render_prompts(deepseek, [(AFTER_TOOL, None), (STANDARD, None)], profile=prof)
+    assert [b.prompt_ids for b in batched] == [r.prompt_ids, render_prompt(deepseek, STANDARD, profile=prof).prompt_ids]
+    # refused without the family rule: no profile, the rule turned off, a template that puts text between
+    for profile in (None, detect_profile(deepseek, {"answer_after_tool_outputs": False})):
+        with pytest.raises(RenderError) as e:
+            render_prompt(deepseek, AFTER_TOOL, profile=profile)
+        assert e.value.reason == "missing_generation_prompt"
+    gap = deepseek.chat_template.replace("{{'<｜tool▁outputs▁end｜>' + message['content']",
+                                         "{{'<｜tool▁outputs▁end｜>\\n' + message['content']")
+    assert gap != deepseek.chat_template
+    with _template(deepseek, gap), pytest.raises(RenderError) as e:
+        render_prompt(deepseek, AFTER_TOOL, profile=prof)
+    assert e.value.reason == "missing_generation_prompt"
+    # a family whose template writes its header after tool results renders as before (Qwen3: a user turn)
+    q = render_prompt(qwen, AFTER_TOOL, WEATHER_TOOL, profile=detect_profile(qwen))
+    assert q.flags["generation_prompt"] == "<|im_start|>assistant\n" and q.flags["generation_prompt_tokens"] == 3
 
 
 def test_enable_thinking_and_open_think_flag(qwen):

@@ -50,6 +50,15 @@ class FamilyProfile:
             a block and the output has a think-end, everything before it is reasoning. On for DeepSeek (SGLang
             ``DeepSeekR1Detector`` ``force_reasoning=True``: original R1 templates end with ``<｜Assistant｜>`` and
             R1 starts reasoning without ``<think>``); elsewhere a think-end without a block is a drop reason.
+        answer_after_tool_outputs: the template writes no assistant header after tool results: with
+            ``add_generation_prompt=True`` a conversation that ends with ``tool`` messages renders the same text as
+            without it, and the assistant's next message is rendered right after the tool results (DeepSeek-V3/R1:
+            ``...<｜tool▁outputs▁end｜>`` then the answer, no ``<｜Assistant｜>``). SGLang serves that text as is (its
+            ``serving_chat._apply_jinja_template`` only calls ``apply_chat_template(..., add_generation_prompt=True)``,
+            and its own ``examples/chat_template/tool_chat_template_deepseekv3.jinja`` / ``...deepseekr1.jinja``
+            end the same way), so ``render.render_prompt`` accepts such a prompt with an empty generation prompt
+            (``render.answers_after_tool_outputs`` checks it) instead of refusing it as
+            ``missing_generation_prompt``. On for DeepSeek, off elsewhere.
     """
 
     name: str
@@ -61,6 +70,7 @@ class FamilyProfile:
     stop_ids: tuple[int, ...]
     tool_call_ends_reasoning: bool = False
     implicit_think_start: bool = False
+    answer_after_tool_outputs: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (for asset metadata and Parquet schema metadata)."""
@@ -74,6 +84,7 @@ class FamilyProfile:
             "stop_ids": list(self.stop_ids),
             "tool_call_ends_reasoning": self.tool_call_ends_reasoning,
             "implicit_think_start": self.implicit_think_start,
+            "answer_after_tool_outputs": self.answer_after_tool_outputs,
         }
 
 
@@ -93,8 +104,9 @@ OVERRIDE_KEYS = {
     "stop": "stop_ids",
     "tool_call_ends_reasoning": "tool_call_ends_reasoning",
     "implicit_think_start": "implicit_think_start",
+    "answer_after_tool_outputs": "answer_after_tool_outputs",
 }
-_BOOL_FIELDS = ("tool_call_ends_reasoning", "implicit_think_start")
+_BOOL_FIELDS = ("tool_call_ends_reasoning", "implicit_think_start", "answer_after_tool_outputs")
 
 
 class _TokenIds:
@@ -209,8 +221,8 @@ def detect_profile(tokenizer: Any, overrides: dict[str, Any] | None = None) -> F
     Args:
         tokenizer: a transformers tokenizer (``get_vocab``, ``eos_token_id``, ``len``).
         overrides: keys think_start, think_end, tool_call_start, tool_call_end, end_of_turn, stop_ids, name (token
-            strings or ids; lists for the tuple fields; null disables think markers), tool_call_ends_reasoning and
-            implicit_think_start (true / false).
+            strings or ids; lists for the tuple fields; null disables think markers), tool_call_ends_reasoning,
+            implicit_think_start and answer_after_tool_outputs (true / false).
     Raises:
         ProfileError: no end-of-turn id can be found (custom family without eos) and none is given, or an
             override is invalid.
@@ -239,7 +251,7 @@ def detect_profile(tokenizer: Any, overrides: dict[str, Any] | None = None) -> F
         starts = (tid("<｜tool▁calls▁begin｜>"), tid("<｜tool▁call▁begin｜>"))
         ends = (tid("<｜tool▁calls▁end｜>"), tid("<｜tool▁call▁end｜>"))
         eot = tid("<｜end▁of▁sentence｜>")
-        rules = {"implicit_think_start": True}
+        rules = {"implicit_think_start": True, "answer_after_tool_outputs": True}
     elif tid("<|im_start|>") is not None and tid("<|im_end|>") is not None:
         base = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
         name = "demo" if (base / "recipe.json").is_file() or len(tokenizer) < 32000 else "qwen3"

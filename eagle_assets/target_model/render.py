@@ -61,8 +61,9 @@ class RenderedPrompt:
             it; decided by ``opens_think_block``, also when a newline or text follows the think-start),
             ``ids_after_think_start`` (the prompt ids after that think-start, e.g. DeepSeek-R1's ``\n``; None
             when no block is open), ``tool_arguments_as_string`` (the template needed JSON-string arguments),
-            ``generation_prompt`` (the text the generation prompt added), ``generation_prompt_tokens`` (how many
-            ids it added; None when its ids cannot be delimited, and the whole prompt is judged instead).
+            ``generation_prompt`` (the text the generation prompt added; "" for a prompt that ends with tool
+            results under ``answers_after_tool_outputs``), ``generation_prompt_tokens`` (how many ids it added, 0
+            there; None when its ids cannot be delimited, and the whole prompt is judged instead).
         text: the rendered prompt text.
     """
 
@@ -155,6 +156,36 @@ def opens_think_block(ids: Sequence[int], profile: FamilyProfile | None) -> bool
     return False
 
 
+# The assistant answer rendered after the tool results to check where the template puts it (any text the template
+# writes verbatim would do; this one cannot be mistaken for template text).
+_PROBE_ANSWER = "eagle-assets probe answer 7f3c"
+
+
+def answers_after_tool_outputs(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, text: str,
+                               kwargs: dict[str, Any], profile: FamilyProfile | None) -> bool:
+    """THE rule for "a prompt without a generation prompt is still what the server sends" (one source of truth).
+
+    True only when all hold: the profile's ``answer_after_tool_outputs`` is on (DeepSeek-V3/R1, see
+    ``FamilyProfile``); the conversation ends with a ``tool`` message; and the template, given an assistant answer
+    after those tool results, renders exactly ``text`` followed by the answer (``...<｜tool▁outputs▁end｜>`` +
+    answer for DeepSeek). The prompt then ends where the template's own next assistant message begins, which is the
+    text SGLang serves for ``add_generation_prompt=True`` (``serving_chat._apply_jinja_template`` renders and
+    encodes the template's text, adding nothing), so the model answers right after the tool results.
+
+    Args: ``text`` the render with ``add_generation_prompt=True`` (equal to the one without); ``kwargs`` the
+    template kwargs of that render (``enable_thinking``). A template that fails on the probe answer: False.
+    """
+    if profile is None or not profile.answer_after_tool_outputs:
+        return False
+    if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") != "tool":
+        return False
+    try:
+        probe = _apply(tokenizer, [*messages, {"role": "assistant", "content": _PROBE_ANSWER}], tools, False, kwargs)
+    except Exception:  # the template cannot render an answer there: no evidence, the prompt stays refused
+        return False
+    return probe.startswith(text + _PROBE_ANSWER)
+
+
 def control_token_ids(tokenizer: Any) -> frozenset[int]:
     """Ids of the tokenizer's special and added tokens (chat-template structure: ``<|im_start|>``,
     ``<｜Assistant｜>``, ``<|im_middle|>``, think and tool-call markers, stop ids), as matched atomically in text.
@@ -202,13 +233,14 @@ def render_prompt(
         RenderedPrompt.
     Raises:
         RenderError: ``template_error`` (no template, or it raised), ``missing_generation_prompt`` (the template
-        adds nothing for add_generation_prompt=True), ``tools_ignored`` (rendering with tools equals rendering
+        adds nothing for add_generation_prompt=True, unless ``answers_after_tool_outputs``: then the prompt is
+        accepted with an empty generation prompt), ``tools_ignored`` (rendering with tools equals rendering
         without: the model would never see them), ``control_token_in_text`` (a special-token string inside
         user/tool/system content), ``double_bos``, ``prompt_too_long``.
     """
     t_hash = template_hash(tokenizer)
     tune_sandbox(tokenizer)
-    texts = _render_texts(tokenizer, messages, tools, enable_thinking)
+    texts = _render_texts(tokenizer, messages, tools, enable_thinking, profile=profile)
     ids = list(tokenizer(texts[0], add_special_tokens=False)["input_ids"])
     return _finish(tokenizer, ids, texts, enable_thinking, max_prompt_tokens, profile, t_hash, {})
 
@@ -231,7 +263,7 @@ def render_prompts(
     once. The ids, flags and errors equal ``render_prompt``'s exactly (tests compare them on every family and
     layout). ``render_prompts = finish_rendered(render_texts_batch(...))``; a pipeline calls the halves apart.
     """
-    return finish_rendered(tokenizer, render_texts_batch(tokenizer, records, enable_thinking), enable_thinking,
+    return finish_rendered(tokenizer, render_texts_batch(tokenizer, records, enable_thinking, profile), enable_thinking,
                            max_prompt_tokens, profile)
 
 
@@ -279,14 +311,16 @@ def _batchable(messages: Any) -> bool:
 
 
 def render_texts_batch(tokenizer: Any, records: Sequence[tuple[list[dict[str, Any]], Any]],
-                       enable_thinking: bool | None = None) -> list[tuple[str, str, Any, bool] | RenderError]:
+                       enable_thinking: bool | None = None, profile: FamilyProfile | None = None
+                       ) -> list[tuple[str, str, Any, bool] | RenderError]:
     """``_render_texts`` of every record (its result or its RenderError, in order), rendering plain records through
     batched ``apply_chat_template`` calls (a list of conversations renders each with the same compiled template,
     special-token variables and kwargs as one call; ``transformers.utils.chat_template_utils.render_jinja_template``).
 
     Records ``_batchable`` rejects go through ``_render_texts`` one by one (the tool-argument retry); a group whose
     batched call raised is split in halves down to the failing records (``_render_group``), so each keeps its own
-    error message.
+    error message. ``profile``: for ``answers_after_tool_outputs`` (None: a prompt without a generation prompt is
+    refused).
     """
     if not getattr(tokenizer, "chat_template", None):  # finish_rendered reports it for every record
         return [()] * len(records)
@@ -315,30 +349,30 @@ def render_texts_batch(tokenizer: Any, records: Sequence[tuple[list[dict[str, An
         else:
             groups.setdefault(key, []).append(i)
     for i in singles:
-        out[i] = _render_one(tokenizer, records[i], enable_thinking, specials, suffix)
+        out[i] = _render_one(tokenizer, records[i], enable_thinking, specials, suffix, profile)
     for idx in groups.values():
         _render_group(tokenizer, records, idx, records[idx[0]][1] or None, kwargs, enable_thinking, specials, out,
-                      suffix)
+                      suffix, profile)
     return out
 
 
 def _render_one(tokenizer: Any, record: tuple, enable_thinking: bool | None, specials: list[str],
-                suffix: ConstantSuffix | None) -> Any:
+                suffix: ConstantSuffix | None, profile: FamilyProfile | None = None) -> Any:
     try:
-        return _render_texts(tokenizer, *record, enable_thinking, specials, suffix)
+        return _render_texts(tokenizer, *record, enable_thinking, specials, suffix, profile)
     except RenderError as exc:
         return exc
 
 
 def _render_group(tokenizer: Any, records: Sequence[tuple], idx: list[int], tools: Any, kwargs: dict[str, Any],
                   enable_thinking: bool | None, specials: list[str], out: list[Any],
-                  suffix: ConstantSuffix | None) -> None:
+                  suffix: ConstantSuffix | None, profile: FamilyProfile | None = None) -> None:
     """Render the records ``idx`` (same tools) in batched calls into ``out``; when a call raises (some record's
     template error), each half is retried on its own, down to ``_render_texts`` of the one record, so k bad records
     cost O(k log n) extra renders and each keeps its own error message. ``suffix``: the template's proven
     ``ConstantSuffix`` (the texts without the generation prompt are derived, not rendered), or None."""
     if len(idx) == 1:
-        out[idx[0]] = _render_one(tokenizer, records[idx[0]], enable_thinking, specials, suffix)
+        out[idx[0]] = _render_one(tokenizer, records[idx[0]], enable_thinking, specials, suffix, profile)
         return
     convs = [records[i][0] for i in idx]
     try:
@@ -351,12 +385,14 @@ def _render_group(tokenizer: Any, records: Sequence[tuple], idx: list[int], tool
         without_tools = _apply_many(tokenizer, convs, None, True, kwargs) if tools else [None] * len(idx)
     except Exception:
         half = len(idx) // 2
-        _render_group(tokenizer, records, idx[:half], tools, kwargs, enable_thinking, specials, out, suffix)
-        _render_group(tokenizer, records, idx[half:], tools, kwargs, enable_thinking, specials, out, suffix)
+        _render_group(tokenizer, records, idx[:half], tools, kwargs, enable_thinking, specials, out, suffix, profile)
+        _render_group(tokenizer, records, idx[half:], tools, kwargs, enable_thinking, specials, out, suffix, profile)
         return
     for i, text, plain, bare in zip(idx, texts, without_gen, without_tools):
         try:
-            out[i] = _checked_texts(text, plain, bare, tools, False)
+            after_tools = text == plain and answers_after_tool_outputs(tokenizer, records[i][0], tools, text, kwargs,
+                                                                       profile)
+            out[i] = _checked_texts(text, plain, bare, tools, False, after_tools)
         except RenderError as exc:
             out[i] = exc
 
@@ -373,12 +409,13 @@ _UNKNOWN: Any = object()
 
 
 def _render_texts(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, enable_thinking: bool | None,
-                  specials: list[str] | None = None, suffix: ConstantSuffix | None = _UNKNOWN
-                  ) -> tuple[str, str, Any, bool]:
+                  specials: list[str] | None = None, suffix: ConstantSuffix | None = _UNKNOWN,
+                  profile: FamilyProfile | None = None) -> tuple[str, str, Any, bool]:
     """(prompt text, text without the generation prompt, tools, tool arguments as strings) of one record, after
     the text-level checks; raises RenderError. ``specials``: ``special_token_strings(tokenizer)`` when known;
     ``suffix``: ``generation_suffix.constant_suffix`` for these kwargs when known (None: render the text without
-    the generation prompt; a ``ConstantSuffix``: derive it from the prompt text, exactly, see that module)."""
+    the generation prompt; a ``ConstantSuffix``: derive it from the prompt text, exactly, see that module);
+    ``profile``: for ``answers_after_tool_outputs``."""
     _check_control_tokens(tokenizer, messages, specials)
     kwargs: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     if suffix is _UNKNOWN:
@@ -403,13 +440,15 @@ def _render_texts(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, en
         raise
     except Exception as e:  # jinja2 TemplateError, TypeError, KeyError from template code: all template problems
         raise RenderError(TEMPLATE_ERROR, f"chat template failed: {type(e).__name__}: {e}") from None
-    return _checked_texts(text, without_gen, without_tools, tools, args_as_string)
+    after_tools = text == without_gen and answers_after_tool_outputs(tokenizer, messages, tools, text, kwargs, profile)
+    return _checked_texts(text, without_gen, without_tools, tools, args_as_string, after_tools)
 
 
-def _checked_texts(text: str, without_gen: str, without_tools: str | None, tools: Any, args_as_string: bool
-                   ) -> tuple[str, str, Any, bool]:
-    """The text-level verdicts on one record's three renders (``_render_texts``' result); raises RenderError."""
-    if text == without_gen:
+def _checked_texts(text: str, without_gen: str, without_tools: str | None, tools: Any, args_as_string: bool,
+                   after_tool_outputs: bool = False) -> tuple[str, str, Any, bool]:
+    """The text-level verdicts on one record's three renders (``_render_texts``' result); raises RenderError.
+    ``after_tool_outputs``: ``answers_after_tool_outputs`` held, so an empty generation prompt is the served one."""
+    if text == without_gen and not after_tool_outputs:
         raise RenderError(MISSING_GENERATION_PROMPT, "add_generation_prompt=True does not append an assistant header; the model would continue the user turn")
     if tools and without_tools == text:
         names = [t.get("function", {}).get("name") for t in tools]
@@ -433,7 +472,8 @@ def _finish(tokenizer: Any, ids: list[int], texts: tuple[str, str, Any, bool], e
     # a Python loop over characters
     cut = len(without_gen) if text.startswith(without_gen) else len(os.path.commonprefix([text, without_gen]))
     generation_prompt = text[cut:]
-    gen_ids = _generation_prompt_ids(tokenizer, ids, generation_prompt, gen_cache)
+    # equal texts reach here only through answers_after_tool_outputs: the generation prompt is empty, its ids none
+    gen_ids = [] if text == without_gen else _generation_prompt_ids(tokenizer, ids, generation_prompt, gen_cache)
     scope = ids if gen_ids is None else gen_ids  # the whole prompt only when the tail cannot be delimited
     opens = opens_think_block(scope, profile)
     after_start: list[int] | None = None
