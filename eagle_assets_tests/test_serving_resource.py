@@ -177,7 +177,7 @@ def test_cli_partition_runs_share_one_launcher_only_when_the_catalog_launches_in
     from eagle_assets.catalog import load_catalog
     from eagle_assets.cli import _partition_definitions
     from eagle_assets.definitions import build_definitions
-    from eagle_assets.serving import resource as resource_module
+    from eagle_assets.assets import server_resource as resource_module
 
     base = _default_catalog()
     launched = tmp_path / "launch.yaml"
@@ -208,7 +208,7 @@ def test_cli_prelaunches_the_shared_server_while_the_first_partition_prepares(mo
     from eagle_assets.catalog import load_catalog
     from eagle_assets.cli import _first_run, _partition_definitions
     from eagle_assets.definitions import build_definitions
-    from eagle_assets.serving import resource as resource_module
+    from eagle_assets.assets import server_resource as resource_module
     from eagle_assets.storage.shards import Layout
 
     base = _default_catalog()
