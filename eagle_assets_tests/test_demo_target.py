@@ -38,13 +38,13 @@ def test_structure_and_lengths_on_demo_prompts(demo_target, one_thread):
 
     from eagle_assets.demo import gate_reference
     from eagle_assets.demo.recipe import DemoRecipe
-    from eagle_assets.demo.gate import gate_set
+    from eagle_assets.demo.gate import select_gate_set
     from eagle_assets.demo.gate import generate_replies, summarize_replies
     from eagle_assets.serving.engine import load_causal_lm
 
     meta = json.loads((demo_target / "recipe.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(demo_target)
-    samples, prompts, caps = gate_set(tokenizer, DemoRecipe())
+    samples, prompts, caps = select_gate_set(tokenizer, DemoRecipe())
     gate = meta["gate"]
     if "verified_by" in gate:  # the build took a recorded verdict: it must be for these bytes and these inputs
         entry = gate_reference.load_references().get(meta["weights_sha256"])

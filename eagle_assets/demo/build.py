@@ -42,7 +42,7 @@ from typing import Any
 
 from eagle_assets.demo import gate_reference, transcripts
 from eagle_assets.demo.tokenizer import EOS_TOKEN, PAD_TOKEN, train_demo_tokenizer
-from eagle_assets.demo.gate import gate_from_replies, gate_set
+from eagle_assets.demo.gate import gate_from_replies, select_gate_set
 from eagle_assets.demo.recipe import (RECIPE_FILE, SHARDS, WORLD_SIZES, DemoRecipe, default_cache_root, recipe_hash,
                                       source_digest)
 from eagle_assets.demo.rows import plan_steps, training_row
@@ -233,7 +233,7 @@ def _build_into(out: Path, recipe: DemoRecipe, digest: str, log: Callable[[str],
         "weight_decay": recipe.weight_decay, "grad_clip": recipe.grad_clip,
         "prompt_loss_weight": recipe.prompt_loss_weight, "steps": steps}))
     (work / "rows.json").write_text(json.dumps(rows))
-    gate_set = gate_set(tokenizer, recipe)
+    gate_set = select_gate_set(tokenizer, recipe)
     references: dict[str, Any] = {}
     if gate_set is not None:
         from eagle_assets.demo.gate import GATE_MIN_STRUCTURE_RATE
@@ -299,7 +299,7 @@ def record_gate_reference(model_dir: Path, reference_path: Path | None = None, r
         recipe = DemoRecipe(**{k: tuple(tuple(x) for x in v) if isinstance(v, list) else v
                                for k, v in meta["recipe"].items() if k in fields})
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        gate_set = gate_set(tokenizer, recipe)
+        gate_set = select_gate_set(tokenizer, recipe)
         if gate_set is None:
             raise ValueError(f"{model_dir} was built by a recipe without a gate (gate_prompts_per_kind = 0)")
         workers = workers or (SHARDS if (os.cpu_count() or 1) >= SHARDS else 1)

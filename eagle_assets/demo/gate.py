@@ -250,7 +250,7 @@ def gate_from_replies(work: Path, gate_set, tokenizer) -> dict[str, Any]:
             "reply_sha256": [gate_reference.reply_digest(r) for r in replies]}
 
 
-def gate_set(tokenizer, recipe: DemoRecipe):
+def select_gate_set(tokenizer, recipe: DemoRecipe):
     """(samples, prompt ids, caps) of the gate: the committed demo prompts under the default catalog's caps,
     ``recipe.gate_prompts_per_kind`` per kind (None = all); None when the recipe has no gate."""
     if recipe.gate_prompts_per_kind == 0:
