@@ -24,7 +24,9 @@ Sources (sgl-project/sglang):
 - Known traps this module checks for: a missing ``max_new_tokens`` silently means 128 tokens; some SGLang versions
   return the last few prompt ids (the incremental-detokenization window, ``INIT_INCREMENTAL_DETOKENIZATION_OFFSET =
   5`` in ``schedule_batch.py``) in front of ``output_ids``, and some of them count those ids in
-  ``completion_tokens`` too, so the counts cannot be the only evidence (``prompt_echo_length``).
+  ``completion_tokens`` too, so the counts cannot be the only evidence (``prompt_echo_length``: also a control id
+  among the echoed ids, the cap, or the reply's shape through an injected ``WellFormed`` check, since this layer
+  knows no model family).
 
 The rules a stored row must also pass (ids in the vocab, the counts, the prompt echo, the cap, the matched stop id)
 are implemented once here (``reply_defect``, ``stop_mismatch``) and applied by ``parse_reply`` to every reply and
