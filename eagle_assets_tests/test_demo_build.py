@@ -132,7 +132,12 @@ def test_gate_rejects_a_model_that_loops_and_says_what_to_do(gated_rejection):
     assert not final.exists() and rejection.path == rejected_path(final) and rejection.path.is_dir()
     message = str(rejection)
     for kind in ("tool", "code", "math", "reasoning"):
-        assert f"{kind}: structure ok 0/1" in message and f"{kind}: 1 of 1 replies reach the" in message
+        assert f"{kind}: 1 of 1 replies reach the" in message
+        # every reply of the kind's partition is malformed: n of n, above its 5% QC warn level
+        (line,) = [ln for ln in message.splitlines() if ln.strip().split(":")[0].split("+")[0] == kind
+                   and "replies malformed" in ln]
+        n_bad, n = line.split(": ", 1)[1].split(" replies")[0].split(" of ")
+        assert n_bad == n and "max_share_dropped_warn for this partition is 5%" in line, line
     assert "point target.model" in message and str(rejection.path) in message
     # TINY's bytes are not in the shipped gate reference: the message names the machine's arithmetic as the
     # possible cause; for recorded bytes that failed, it is the recipe.
@@ -204,3 +209,30 @@ def test_repeated_count_line_is_masked_and_tokenization_unchanged(tiny_target):
             assert copy + copy in text
             same, _, _ = encode_training_sample(tok, s, rng, repeat_prob=0.0)
             assert same == prompt + reply
+
+
+def test_gate_holds_each_partition_to_its_own_qc_warn_level():
+    """The gate counts a partition's kinds together (B1: the call, the answer after its result, the follow-up) and
+    fails it only above the catalog's ``max_share_dropped_warn`` for it; a reply at its cap fails alone."""
+    from eagle_assets.demo.gate import default_catalog_drop_levels, gate_failures
+
+    def report(**bad):
+        sizes = {"tool": 50, "tool_result": 50, "follow_up": 26, "code": 50, "math": 50, "reasoning": 50}
+        return {k: {"n": n, "ok": n - bad.get(k, 0), "failures": {"think_end_without_start": bad.get(k, 0)},
+                    "at_cap": 0, "cap": 256, "examples": []} for k, n in sizes.items()}
+
+    levels = default_catalog_drop_levels()
+    assert levels == {"tool": 0.05, "code": 0.05, "math": 0.05, "reasoning": 0.05}  # catalogs/default.yaml
+    assert gate_failures(report(), levels) == []
+    # 6 of B1's 126 replies (4.8%) pass; 7 (5.6%) fail, wherever in B1's three kinds they fall.
+    assert gate_failures(report(tool_result=4, follow_up=2), levels) == []
+    (line,) = gate_failures(report(tool_result=4, follow_up=2, tool=1), levels)
+    assert line.startswith("tool+tool_result+follow_up: 7 of 126 replies malformed") and "5%" in line
+    # a single-kind partition: 2 of 50 (4%) pass, 3 of 50 (6%) fail; a stricter level fails 1 of 50.
+    assert gate_failures(report(math=2), levels) == []
+    assert [ln.split(":")[0] for ln in gate_failures(report(math=3), levels)] == ["math"]
+    assert [ln.split(":")[0] for ln in gate_failures(report(math=1), {**levels, "math": 0.01})] == ["math"]
+    capped = report()
+    capped["code"].update(at_cap=1, examples=["...loop"])
+    (line,) = gate_failures(capped, levels)
+    assert line.startswith("code: 1 of 50 replies reach the 256-token cap")

@@ -1,6 +1,6 @@
 """The embedded default target: a tiny Qwen3 trained on seeded synthetic transcripts, built on CPU in ~3 minutes,
-the same bytes at any load or thread setting and on any x86-64 CPU with AVX2, and accepted only when it passes
-its quality gate.
+the same bytes at any load or thread setting on one kind of CPU, and accepted only when it passes its quality
+gate.
 
 Public API::
 

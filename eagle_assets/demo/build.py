@@ -9,8 +9,9 @@ version, or the source of the demo package) builds a new directory and never reu
 The build: generate transcripts -> train the BPE -> train the model for a fixed number of optimizer steps in worker
 processes pinned to one thread each (fixed, not time-boxed, and independent of load and thread settings, so the
 weights' bytes depend only on the recipe) -> the quality gate: greedy replies to every committed demo prompt, as
-the embedded server generates them; a model with a structure rate under 98% for a kind, or any reply at the
-default catalog's ``max_new_tokens``, is kept aside as ``<hash>.rejected`` and the build raises
+the embedded server generates them; a model whose malformed share in a default-catalog partition exceeds that
+partition's ``max_share_dropped_warn`` QC level, or with any reply at the default catalog's ``max_new_tokens``, is
+kept aside as ``<hash>.rejected`` and the build raises
 :class:`DemoTargetRejected`. On an idle 2-core machine it takes about three minutes (two workers in parallel);
 with one core, twice the training time, same bytes.
 
@@ -86,7 +87,7 @@ def _rejection(path: Path) -> DemoTargetRejected:
 
 def _rejection_cause(meta: dict[str, Any]) -> str:
     """What a gate failure means: a recipe problem when these bytes are the recorded ones, else this machine's
-    arithmetic (the bytes are reproducible on x86-64 CPUs with AVX2, see :mod:`eagle_assets.demo.trainer`)."""
+    arithmetic (the bytes are reproducible on one kind of CPU, see :mod:`eagle_assets.demo.trainer`)."""
     sha = meta.get("weights_sha256", "")
     change = ("if you changed eagle_assets/demo/ or DemoRecipe, revert or strengthen the change (more train_counts, "
               "see `python -m eagle_assets.demo.evaluate --model-dir DIR`)")
@@ -95,8 +96,9 @@ def _rejection_cause(meta: dict[str, Any]) -> str:
                 f"so this is a recipe problem, not your machine's: {change}; otherwise report it with that "
                 "recipe.json.")
     return (f"These weights (sha256 {sha[:12]}...) are not the ones recorded in eagle_assets/demo/"
-            "gate_reference.json: the build gives the same bytes on x86-64 CPUs with AVX2 under torch 2.13.0, and "
-            "this machine's arithmetic differs (another CPU, an ARM laptop, another torch or MKL), which gives other "
+            "gate_reference.json: the build gives the same bytes on one kind of CPU under torch 2.13.0 (the file "
+            "records each kind measured), and this machine's arithmetic differs (another CPU, an ARM laptop, another "
+            "torch or MKL), which gives other "
             f"weights that can fall on the wrong side of the gate. {change[0].upper()}{change[1:]}; otherwise report "
             "it with that recipe.json and the output of `lscpu`.")
 
@@ -109,9 +111,9 @@ def build_demo_target(cache_root: Path | None = None, force: bool = False, recip
     The build trains in worker processes with one thread each (:mod:`eagle_assets.demo.trainer`), so the model's
     bytes depend only on the recipe, never on the machine's load or thread settings. Then a gate
     (``recipe.gate_prompts_per_kind``; default every committed demo prompt) generates greedy replies to the
-    committed demo prompts as the embedded server does, and accepts the model only when every kind has a
-    structure rate of at least ``evaluate.GATE_MIN_STRUCTURE_RATE`` and no reply reaches the default catalog's
-    ``max_new_tokens``; the figures go into ``recipe.json`` (``gate``). When the trained weights' sha256 and the
+    committed demo prompts as the embedded server does, and accepts the model only when each default-catalog
+    partition's malformed share is within its own ``max_share_dropped_warn`` (``gate.gate_failures``) and no reply
+    reaches the default catalog's ``max_new_tokens``; the figures go into ``recipe.json`` (``gate``). When the trained weights' sha256 and the
     gate's inputs equal those of a build whose gate ran (``reference_path``, :mod:`eagle_assets.demo.gate_reference`)
     that verdict is taken instead of regenerating the replies (``gate.verified_by`` says so).
 
@@ -236,9 +238,10 @@ def _build_into(out: Path, recipe: DemoRecipe, digest: str, log: Callable[[str],
     gate_set = select_gate_set(tokenizer, recipe)
     references: dict[str, Any] = {}
     if gate_set is not None:
-        from eagle_assets.demo.gate import GATE_MIN_STRUCTURE_RATE
+        from eagle_assets.demo.gate import default_catalog_drop_levels
 
-        inputs_sha = gate_reference.gate_inputs_digest(tokenizer, gate_set[1], gate_set[2], GATE_MIN_STRUCTURE_RATE)
+        inputs_sha = gate_reference.gate_inputs_digest(tokenizer, gate_set[1], gate_set[2],
+                                                       default_catalog_drop_levels())
         references = {} if regate else {
             sha: entry for sha, entry in gate_reference.load_references(reference_path).items()
             if gate_reference.matching_reference({sha: entry}, sha, inputs_sha)}

@@ -1,8 +1,8 @@
 """Gate verdicts recorded for exact weights, so a build that reproduces those bytes need not regenerate them.
 
 The demo build is deterministic (:mod:`eagle_assets.demo.trainer`): a recipe gives the same ``model.safetensors``
-bytes on any x86-64 machine with AVX2, at any load. The gate's verdict is a function of those bytes and of the gate's
-own inputs (the prompt ids, the caps, the threshold, the tokenizer, the decoder's source and the torch/transformers
+bytes on one kind of machine, at any load (another CPU can give other bytes: one entry per kind measured). The gate's verdict is a function of those bytes and of the gate's
+own inputs (the prompt ids, the caps, the malformed-share levels, the tokenizer, the decoder's source and the torch/transformers
 versions). So when a fresh build's weights hash to the sha256 of a build whose gate was run for real, and the gate
 inputs hash to the same digest, that build has passed (or failed) the gate already: the figures are taken from the
 reference, and the greedy replies (about a minute of both cores, two on a loaded machine) are not regenerated.
@@ -39,12 +39,12 @@ def default_reference_path() -> Path:
     return Path(str(resources.files("eagle_assets.demo").joinpath(REFERENCE_FILE)))
 
 
-def gate_inputs_digest(tokenizer, prompts: list[list[int]], caps: list[int], min_rate: float) -> str:
+def gate_inputs_digest(tokenizer, prompts: list[list[int]], caps: list[int], drop_levels: dict[str, float]) -> str:
     """sha256 (hex) of everything besides the weights that decides the gate's outcome: the prompt ids and caps in
-    order, the structure threshold, the tokenizer's vocabulary, the decoder's and the checker's source files and the
-    torch and transformers versions."""
+    order, the malformed-share level per partition (``gate.default_catalog_drop_levels``), the tokenizer's
+    vocabulary, the decoder's and the checker's source files and the torch and transformers versions."""
     h = hashlib.sha256()
-    h.update(json.dumps({"prompts": prompts, "caps": caps, "min_rate": min_rate,
+    h.update(json.dumps({"prompts": prompts, "caps": caps, "drop_levels": sorted(drop_levels.items()),
                          "vocab": sorted(tokenizer.get_vocab().items()),
                          "torch": metadata.version("torch"), "transformers": metadata.version("transformers")},
                         separators=(",", ":")).encode())

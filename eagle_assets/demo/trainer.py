@@ -16,8 +16,10 @@ whatever the machine's load, the caller's thread settings, or how many cores the
   rows and step plan, and they failed the gate (tool_result 48/50). The price: MKL's SSE2 kernels take 2.7x the
   time of its AVX2 ones at the trainer's matrix shapes, and training takes 1.8x as long (126-137 CPU s per
   worker against 70). ATen's AVX2 kernels use exact IEEE operations only (no ``rcpps``/``rsqrtps``
-  approximations), so they give the same bits on any vendor's AVX2; on a CPU without AVX2, ATen falls back to its
-  default kernels, the bytes differ, and the gate runs instead of taking the recorded verdict.
+  approximations). Measured, that is not enough across vendors: with these settings an AMD EPYC (AVX-512) builds
+  other bytes (``3f72ee27...``) than the Intel Xeon that recorded ``991e7213...``, from the same rows and step
+  plan (2026-12-04, twice, on two EPYC machines), so the bytes are reproducible on one kind of CPU, not on every
+  x86-64. ``gate_reference.json`` records a verdict per kind measured; any other CPU runs the gate itself.
 - The gradient of a step is always the sum of exactly :data:`SHARDS` shard gradients, each computed on its own
   fixed rows (the plan in ``job.json``; nothing depends on timing). With two worker processes each computes one
   shard and gloo's all-reduce adds them (with two operands a sum has one rounding and ``a + b == b + a``); with
@@ -28,7 +30,7 @@ Files in the work directory (written by the build): ``job.json`` (model config, 
 ``rows.json`` (``[ids, n_prompt, weights, reply flags]`` per transcript) and, when the build gates the target,
 ``gate.json`` (``{"prompts": [[ids]...], "caps": [...]}``). Rank 0 saves the model into ``job["out"]`` and writes
 ``train.json``; every rank then generates the gate replies of its share of the prompts (``gate-<rank>.json``), with
-the embedded server's decoder in float64 (:func:`eagle_assets.demo.evaluate.generate_replies`).
+the embedded server's decoder in float64 (:func:`eagle_assets.demo.gate.generate_replies`).
 
 Rank 0 also writes the sha256 of ``model.safetensors`` into ``train.json``; when ``gate.json`` lists that digest in
 ``reference_weights_sha256`` (a build whose gate ran produced these exact bytes with the same gate inputs:
