@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from eagle_assets.assets.qc import passing_partitions
     from eagle_assets.assets.resources import PipelineSettings, TargetModel
-    from eagle_assets.assets.training import load_split_rows, mixed_training_rows, unseen_eval_rows
+    from eagle_assets.assets.training_rows import load_split_rows, mixed_training_rows
+    from eagle_assets.assets.acceptance import unseen_eval_rows
     from eagle_assets.drafter.evaluation import evaluate_groups
     from eagle_assets.drafter.export import load_drafter
     from eagle_assets.drafter.features import run_target

@@ -62,7 +62,8 @@ def stages(width: int, tokens: int) -> None:
 
 
 def end_to_end(url: str, model_dir: str, rows: int, row_tokens: int) -> None:
-    from eagle_assets.drafter.served_features import ServedFeatureSource, ServedFeaturesSpec, served_features
+    from eagle_assets.drafter.served_feature_cache import served_features
+    from eagle_assets.drafter.served_features import ServedFeatureSource, ServedFeaturesSpec
 
     source = ServedFeatureSource(model_dir, ServedFeaturesSpec(source="served", url=url, teacher="topk", top_k=20))
     rng = np.random.default_rng(0)

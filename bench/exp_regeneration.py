@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from eagle_assets.assets.training import is_holdout  # noqa: E402
+from eagle_assets.assets.training_rows import is_holdout  # noqa: E402
 from eagle_assets.catalog import MixSpec, default_catalog_path, load_catalog  # noqa: E402
 from drafter_experiment import completion_tokens, train_and_measure  # noqa: E402
 from eagle_assets.drafter.mix import MixCandidate, build_mix  # noqa: E402

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from eagle_assets.assets.resources import PipelineSettings, TargetModel
-    from eagle_assets.assets.training import load_training_rows, mix_candidates
+    from eagle_assets.assets.training_rows import load_training_rows, mix_candidates
     from eagle_assets.assets.qc import passing_partitions
 
     root = (args.storage_root or default_storage_root()).resolve()

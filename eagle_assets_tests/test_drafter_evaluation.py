@@ -4,7 +4,7 @@ import dagster as dg
 import numpy as np
 import torch
 
-from eagle_assets.assets.training import acceptance_check
+from eagle_assets.assets.acceptance import acceptance_check
 from eagle_assets.catalog import TrainingSpec
 from eagle_assets.drafter.acceptance import AcceptanceResult, mean_tau_over_groups
 from eagle_assets.drafter.evaluation import GroupedAcceptance, greedy_rows
@@ -83,7 +83,7 @@ def test_acceptance_check_levels_spread_and_the_unseen_figure():
 
 
 def test_thinking_modes_of_turn_rows_are_grouped_and_reported_beside_the_mean():
-    from eagle_assets.assets.training import thinking_mode_groups
+    from eagle_assets.assets.acceptance import thinking_mode_groups
     from eagle_assets.tokenized_prompts.walk import turn_row_id
 
     ids, mask = np.arange(5, dtype=np.int32), np.array([0, 0, 1, 1, 1], dtype=np.int8)

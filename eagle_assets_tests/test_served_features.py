@@ -20,18 +20,20 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle_assets.drafter.feature_shards import FeatureShardError, FeatureSpec, content_sha256, verify_shard
 from eagle_assets.drafter.features import aux_layer_ids, head_argmax, head_logits, run_target
-from eagle_assets.drafter.served_features import (
-    RefusedRow,
+from eagle_assets.drafter.served_feature_cache import (
     ServedFeatureCache,
-    ServedFeatureSource,
-    ServedFeaturesError,
-    ServedFeaturesSpec,
-    _Refused,
-    read_target_tensor,
     served_features,
     served_supervision,
     target_to_draft_index,
 )
+from eagle_assets.drafter.served_features import (
+    RefusedRow,
+    ReplyRefused,
+    ServedFeatureSource,
+    ServedFeaturesError,
+    ServedFeaturesSpec,
+)
+from eagle_assets.drafter.target_weights import read_target_tensor
 from eagle_assets.drafter.ttt_loss import supervision, teacher_positions
 from eagle_assets.serving.aux_capture import (
     AuxCapture,
@@ -414,12 +416,12 @@ def test_refused_rows_are_counted_not_fatal(target8, served, rows):
     raw = json.dumps(_post(served.url, json.loads(source.request_body(ids, "r0")))).encode()
     reply = json.loads(raw)
     reply["meta_info"]["hidden_states"][0] = reply["meta_info"]["hidden_states"][0][3:]  # a cut prefill
-    with pytest.raises(_Refused, match="--chunked-prefill-size") as err:
+    with pytest.raises(ReplyRefused, match="--chunked-prefill-size") as err:
         source.parse_reply("r0", ids, mask, json.dumps(reply).encode())
     assert err.value.reason == "short_prefill"
     reply = json.loads(raw)
     reply["meta_info"]["hidden_states"][0][2][5] = None  # how SGLang's orjson sends a NaN
-    with pytest.raises(_Refused) as err:
+    with pytest.raises(ReplyRefused) as err:
         source.parse_reply("r0", ids, mask, json.dumps(reply).encode())
     assert err.value.reason == "non_finite"
     reply = json.loads(raw)

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from eagle_assets.assets.qc import QC_SCHEMA, QC_STATUS_FILE
-from eagle_assets.assets.training import is_holdout, mixed_training_rows
+from eagle_assets.assets.training_rows import is_holdout, mixed_training_rows
 from eagle_assets.definitions import build_definitions
 from eagle_assets.exports import SPECFORGE, SPECULATORS, ExportError, export_mixed_rows, verify_export
 from eagle_assets.storage.shards import shard_paths, write_json_atomic

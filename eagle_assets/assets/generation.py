@@ -72,7 +72,7 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
                                 "generating every prompt again instead of resuming")
         if config.regenerate:
             context.log.info(f"regenerate=True: existing shards of {key} are removed and generated again")
-        if spec.prompt_policy == "all_turns":  # every assistant turn regenerated on-policy (eagle_assets.conversation)
+        if spec.prompt_policy == "all_turns":  # every assistant turn regenerated on-policy (eagle_assets.generations.rollout)
             from eagle_assets.assets.conversations import conversation_generations
 
             return conversation_generations(context, settings, target, sglang, out, fingerprint, regenerate)

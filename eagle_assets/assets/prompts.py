@@ -19,7 +19,7 @@ PARSE_STAGE = "raw_prompts_by_dataset"
 
 
 def _first_mode(spec):
-    # all_turns renders turn 1 here with its first thinking mode; conversation.rollout renders every turn and mode
+    # all_turns renders turn 1 here with its first thinking mode; generations.rollout renders every turn and mode
     from eagle_assets.tokenized_prompts.walk import thinking_modes
 
     return thinking_modes(spec.enable_thinking)[0][1]

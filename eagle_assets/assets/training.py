@@ -1,7 +1,6 @@
 """Assets ``draft_vocab``, ``training_mix`` and ``drafter_checkpoint`` (checks ``export_contract``, ``acceptance_length``)."""
 
 
-import hashlib
 import json
 import time
 from collections import Counter
@@ -13,124 +12,25 @@ from typing import Any
 
 import dagster as dg
 import numpy as np
-import pyarrow.parquet as pq
 
-from eagle_assets.assets.qc import dataset_shard_paths, passing_partitions
+from eagle_assets.assets.qc import passing_partitions
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.server_resource import SGLangServerResource
 from eagle_assets.assets.provenance import write_provenance
+from eagle_assets.assets.acceptance import (
+    acceptance_check,
+    thinking_mode_groups,
+    unseen_eval_rows,
+    unseen_rows_in_background,
+)
+from eagle_assets.assets.training_rows import (
+    dataset_splits,
+    load_split_rows,
+    mix_candidates,
+    mixed_training_rows,
+    target_vocab_size,
+)
 from eagle_assets.storage.shards import write_json_atomic
-
-
-def _holdout_rank(sample_id: str, seed: int) -> float:
-    """Keyed hash of a sample id in [0, 1): the held-out split's order (stable when rows are added)."""
-    h = int.from_bytes(hashlib.sha256(f"holdout:{seed}:{sample_id}".encode()).digest()[:8], "big")
-    return h / 2**64
-
-
-def is_holdout(sample_id: str, fraction: float, seed: int) -> bool:
-    """Deterministic held-out split by a keyed hash of the sample id (stable when rows are added): the rule of
-    ``training.holdout_fraction`` when ``training.holdout_rows`` is null."""
-    return _holdout_rank(sample_id, seed) < fraction
-
-
-#: the three splits of a partition's QC rows: trained on, steering training (learning curve, early stopping),
-#: and the acceptance check's held-out test rows.
-SPLITS = ("train", "validation", "test")
-
-
-def row_splits(sample_ids: list[str], training) -> dict[str, str]:
-    """``sample_id -> "train" | "validation" | "test"`` for one partition's QC rows.
-
-    The unit of the split is the conversation (``tokenized_prompts.walk.conversation_id``): every turn row and both
-    thinking modes of one conversation land in the same split, so a held-out turn never has its own prompt or
-    earlier turns in the training rows; a single-turn row is its own conversation. Held out (never trained on):
-    every conversation :func:`is_holdout` puts under ``training.holdout_fraction``, at most
-    ``training.holdout_rows`` of them (lowest keyed hash first; null = no cap). So a large fraction with a cap gives
-    the same count in every partition big enough (the default catalog: 34 of 48), and a small partition keeps its
-    share of training rows. Of the held-out conversations, the ``validation_rows`` of highest hash (at most half of
-    them) steer training; the rest are the acceptance check's test rows. The training rows are exactly those whose
-    conversation :func:`is_holdout` leaves out, and validation never overlaps the test rows.
-    """
-    from eagle_assets.tokenized_prompts.walk import conversation_id
-
-    conversation = {s: conversation_id(s) for s in sample_ids}
-    ranked = sorted(set(conversation.values()), key=lambda c: (_holdout_rank(c, training.seed), c))
-    held = [c for c in ranked if is_holdout(c, training.holdout_fraction, training.seed)]
-    if training.holdout_rows is not None:
-        held = held[: training.holdout_rows]
-    n_val = min(training.validation_rows, len(held) // 2)
-    split = {c: "test" for c in held[: len(held) - n_val]}
-    split.update({c: "validation" for c in held[len(held) - n_val:]})
-    return {s: split.get(conversation[s], "train") for s in sample_ids}
-
-
-def _dataset_splits(settings: PipelineSettings, key: str) -> tuple[list[Path], dict[str, str]]:
-    """The QC shards of dataset ``key`` (every chunk's, ``assets.qc.dataset_shard_paths``) and the split of its
-    rows (:func:`row_splits` over the sample ids of all of them: a chunked dataset splits as the unchunked one)."""
-    import pyarrow as pa
-
-    paths = dataset_shard_paths(settings, key)
-    sids = pa.concat_tables([pq.read_table(p, columns=["sample_id"]) for p in paths]).column(0).to_pylist()
-    return paths, row_splits(sids, settings.catalog().training)
-
-
-def load_split_rows(settings: PipelineSettings, keys: list[str], split: str):
-    """Rows (sample_id, input_ids int32 [T], loss_mask int8 [T], partition) of ``keys``' QC shards on one split
-    (one of :data:`SPLITS`), in shard order."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
-    return list(iter_split_rows(settings, keys, split))
-
-
-def iter_split_rows(settings: PipelineSettings, keys: list[str], split: str, wanted=None):
-    """``load_split_rows`` lazily: shard by shard, one record batch at a time, rows sliced from the batch's flat
-    arrays (never a whole partition's ids as Python lists). ``wanted``: a collection of ``(partition, sample_id)``
-    to keep (None = every row of the split)."""
-    for key in keys:
-        paths, splits = _dataset_splits(settings, key)
-        for path in paths:
-            for batch in pq.ParquetFile(path).iter_batches(batch_size=1024,
-                                                           columns=["sample_id", "input_ids", "loss_mask"]):
-                ids_col, mask_col = batch.column(1), batch.column(2)
-                ids_off, mask_off = ids_col.offsets.to_numpy(), mask_col.offsets.to_numpy()
-                ids_flat = ids_col.values.to_numpy().astype(np.int32, copy=False)
-                mask_flat = mask_col.values.to_numpy().astype(np.int8, copy=False)
-                for i, sid in enumerate(batch.column(0).to_pylist()):
-                    if splits[sid] != split or (wanted is not None and (key, sid) not in wanted):
-                        continue
-                    yield (sid, ids_flat[ids_off[i]:ids_off[i + 1]].copy(),
-                           mask_flat[mask_off[i]:mask_off[i + 1]].copy(), key)
-
-
-def load_training_rows(settings: PipelineSettings, keys: list[str], holdout: bool):
-    """Rows (sample_id, input_ids int32 [T], loss_mask int8 [T], partition) of ``keys``' QC shards: the training
-    split, or (``holdout``) the held-out test split."""
-    return load_split_rows(settings, keys, "test" if holdout else "train")
-
-
-def mix_candidates(settings: PipelineSettings, keys: list[str]):
-    """Every training-split QC row of ``keys`` as a ``MixCandidate`` (completion tokens = loss tokens)."""
-    import pyarrow.compute as pc
-
-    from eagle_assets.drafter.mix import MixCandidate
-
-    out = []
-    for key in keys:
-        paths, splits = _dataset_splits(settings, key)
-        for path in paths:  # one shard's ids at a time, only their lengths kept
-            t = pq.read_table(path, columns=["sample_id", "input_ids", "n_prompt_tokens"])
-            lengths = pc.subtract(pc.list_value_length(t.column("input_ids")), t.column("n_prompt_tokens")).to_pylist()
-            for sid, n in zip(t.column("sample_id").to_pylist(), lengths):
-                if splits[sid] == "train":
-                    out.append(MixCandidate(key, sid, int(n)))
-    return out
-
-
-def target_vocab_size(model_dir: Path) -> int:
-    """``vocab_size`` of a target model directory's config.json (top level or ``text_config``)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
 
 
 def build_training_assets(full_asset_graph: Callable[[], Any] | None = None) -> list:
@@ -160,7 +60,7 @@ def build_training_assets(full_asset_graph: Callable[[], Any] | None = None) -> 
         counts = np.zeros(vocab_size, dtype=np.int64)
         per_partition = Counter()
         for key in keys:
-            paths, splits = _dataset_splits(settings, key)
+            paths, splits = dataset_splits(settings, key)
             part, _ = count_completion_tokens_in_shards(
                 paths, vocab_size, include=lambda sids, sp=splits: np.array([sp[s] == "train" for s in sids], bool))
             counts += part
@@ -192,7 +92,7 @@ def build_training_assets(full_asset_graph: Callable[[], Any] | None = None) -> 
         """Rows the drafter trains on: a token budget split by partition weights, with caps on short-row buckets."""
         import pyarrow as pa
 
-        from eagle_assets.drafter.mix import build_mix, mix_png, mix_table_markdown
+        from eagle_assets.drafter.mix import mix_png, mix_table_markdown
         from eagle_assets.figures.plots import png_markdown
         from eagle_assets.storage.shards import write_parquet_atomic
 
@@ -308,7 +208,7 @@ def build_training_assets(full_asset_graph: Callable[[], Any] | None = None) -> 
         # found), so the rows do not depend on which of the two finishes first.
         unseen_log: list[str] = []
         with torch_threads(t.threads):
-            unseen_early = (_unseen_rows_in_background(settings, t, model_dir, out, unseen_log.append)
+            unseen_early = (unseen_rows_in_background(settings, t, model_dir, out, unseen_log.append)
                             if features.source != "served" else None)
             if t.launcher == "torchrun":  # data-parallel processes through Dagster Pipes (torchrun_launch.py)
                 from eagle_assets.assets.torchrun_launch import train_with_torchrun
@@ -418,26 +318,6 @@ def build_training_assets(full_asset_graph: Callable[[], Any] | None = None) -> 
     return [draft_vocab, training_mix, drafter_checkpoint]
 
 
-def mixed_training_rows(settings: PipelineSettings, keys: list[str]):
-    """The training rows the ``training_mix`` asset chose, in its order (partitions of ``keys`` only).
-
-    Raises dg.Failure when the mix is missing or names rows the QC shards no longer hold (re-materialize
-    ``training_mix``)."""
-    mix_file = settings.layout().base / "training_mix" / "mix.parquet"
-    if not mix_file.exists():
-        raise dg.Failure(description=f"{mix_file} does not exist: materialize training_mix first (training_job does)")
-    mix = pq.read_table(mix_file, columns=["partition", "sample_id"]).to_pylist()
-    chosen = [(m["partition"], m["sample_id"]) for m in mix if m["partition"] in keys]
-    # only the chosen rows are read out of the shards (iter_split_rows), not every training row first
-    by_id = {(k, sid): (sid, ids, mask, k)
-             for sid, ids, mask, k in iter_split_rows(settings, keys, "train", wanted=set(chosen))}
-    missing = [c for c in chosen if c not in by_id]
-    if missing:
-        raise dg.Failure(description=f"training_mix names {len(missing)} rows that the QC shards no longer hold "
-                         f"(e.g. {missing[:3]}): re-materialize training_mix after qc_shards changed")
-    return [by_id[c] for c in chosen]
-
-
 def _bounded_log(log, every_s: float = 5.0):
     """Wrap ``log`` so per-step training lines reach the Dagster log at most every ``every_s`` seconds."""
     last = [0.0]
@@ -473,180 +353,3 @@ def torch_threads(n: int | None):
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def thinking_mode_groups(held) -> dict[str, list]:
-    """Held-out ``(input_ids, loss_mask)`` rows by the thinking mode of their turn row id (``all_turns``
-    partitions: ``tokenized_prompts.walk.parse_turn_row_id``); empty when no row names a mode other than "default"."""
-    from eagle_assets.tokenized_prompts.walk import parse_turn_row_id
-
-    out: dict[str, list] = {}
-    for sample_id, ids, mask, _key in held:
-        parsed = parse_turn_row_id(sample_id)
-        if parsed is not None:
-            out.setdefault(parsed[1], []).append((ids, mask))
-    return out if set(out) - {"default"} else {}
-
-
-def acceptance_check(t, heldout, unseen, missing: list[str], png_fn, unseen_note: str | None = None,
-                     by_mode=None) -> dg.AssetCheckResult:
-    """The ``acceptance_length`` check: ERROR when the mean held-out tau is at or under ``1 + min_tau_margin``,
-    WARN under ``tau_warn``; the unseen-source tau is reported beside it (it does not set the level: prompts of
-    another source are expected to draft worse, and how much worse is the figure to read), and so is the held-out
-    tau per thinking mode (``by_mode``: :class:`~eagle_assets.drafter.evaluation.GroupedAcceptance` by mode) where
-    the rows carry one."""
-    from eagle_assets.figures.plots import png_markdown
-
-    mean_tau, ci = heldout.mean_tau, heldout.mean_tau_ci95
-    error_at, warn_under = 1.0 + t.min_tau_margin, t.tau_warn
-    passed = mean_tau > error_at
-    warn = mean_tau < warn_under
-    spread = f" (95% CI {ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
-    text = (f"mean held-out tau {mean_tau:.3f}{spread} over {len(heldout.groups)} partitions, "
-            f"{sum(heldout.rows.values())} test rows, k={t.acceptance_k}")
-    if unseen is not None:
-        u_ci = f" (95% CI {unseen.tau_ci95[0]:.2f}-{unseen.tau_ci95[1]:.2f})" if unseen.tau_ci95 else ""
-        text += f"; unseen-source tau {unseen.tau:.3f}{u_ci} on {unseen.n_rows} rows"
-    level = "ERROR" if not passed else "WARN" if warn else "OK"
-    text = f"{level}: {text} (levels: error at or under {error_at:g}, warn under {warn_under:g})"
-    if missing:
-        text += f"; no held-out rows for {missing} (left out of the mean)"
-    if unseen_note:
-        text += f"; {unseen_note}"
-    if by_mode is not None:
-        text += "; by thinking mode: " + ", ".join(
-            f"{m} {r.tau:.3f}" + (f" ({r.tau_ci95[0]:.2f}-{r.tau_ci95[1]:.2f})" if r.tau_ci95 else "")
-            + f" on {by_mode.rows.get(m, r.n_rows)} rows" for m, r in by_mode.groups.items())
-    curves = dict(heldout.groups)
-    if unseen is not None:
-        curves["unseen source"] = unseen
-    metadata = {
-        "mean_tau": mean_tau,
-        "mean_tau_ci95": dg.MetadataValue.json(ci),
-        "tau_error_at_or_under": error_at,
-        "tau_warn_under": warn_under,
-        "k": t.acceptance_k,
-        "per_partition": dg.MetadataValue.json(heldout.summary()),
-        **{f"tau_{k}": round(r.tau, 4) for k, r in heldout.groups.items()},
-        "per_position_acceptance": dg.MetadataValue.md(png_markdown(png_fn(curves), "per-position acceptance")),
-        "partitions_without_heldout_rows": dg.MetadataValue.json(missing),
-    }
-    if by_mode is not None:
-        metadata["tau_by_thinking"] = dg.MetadataValue.json(by_mode.summary())
-    if unseen is not None:
-        metadata.update({
-            "unseen_tau": round(unseen.tau, 4),
-            "unseen_tau_ci95": dg.MetadataValue.json([round(x, 4) for x in unseen.tau_ci95]),
-            "unseen": dg.MetadataValue.json({
-                "rows": unseen.n_rows, "verifications": unseen.n_verifications,
-                "tau_row_sd": round(unseen.tau_row_sd, 4),
-                "per_position_acceptance": [round(a, 4) for a in unseen.per_position_acceptance]}),
-        })
-    return dg.AssetCheckResult(
-        check_name="acceptance_length",
-        passed=passed and not warn,
-        severity=dg.AssetCheckSeverity.ERROR if not passed else dg.AssetCheckSeverity.WARN,
-        description=text,
-        metadata=metadata,
-    )
-
-
-# A second float32 copy of the target stays in memory while the drafter trains; above this size it is not worth it.
-UNSEEN_OVERLAP_MAX_WEIGHT_BYTES = 1 << 30
-
-
-def _unseen_rows_in_background(settings: PipelineSettings, t, model_dir: Path, out: Path, log):
-    """A future of :func:`unseen_eval_rows` (local target) started now on a thread of its own, or None when the
-    unseen figure is off, ``training.threads`` is unset (training may then use every core) or the target's weights
-    are over :data:`UNSEEN_OVERLAP_MAX_WEIGHT_BYTES` (the thread loads its own copy). Its ``result()`` raises what
-    ``unseen_eval_rows`` raised. The thread runs torch with ``training.threads`` threads, as the training does."""
-    if t.unseen_eval is None or not t.threads:
-        return None
-    if sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) > UNSEEN_OVERLAP_MAX_WEIGHT_BYTES:
-        return None
-    from concurrent.futures import ThreadPoolExecutor
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    # loaded here, not on the thread: from_pretrained patches torch's init functions process-wide while it builds a
-    # model, which breaks a model built at the same time on another thread (the trainer's target)
-    target_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
-
-    def rows():
-        torch.set_num_threads(t.threads)  # the training's count (set in this thread too, whatever torch's backend)
-        return unseen_eval_rows(settings, target_model, model_dir, out / "unseen_eval", log)
-
-    pool = ThreadPoolExecutor(1, thread_name_prefix="unseen-eval")
-    future = pool.submit(rows)
-    pool.shutdown(wait=False)
-    return future
-
-
-def unseen_eval_rows(settings: PipelineSettings, target_model, model_dir: Path, cache_dir: Path, log,
-                     served_client=None) -> list:
-    """Rows for the unseen-source figure: the catalog's ``training.unseen_eval`` prompts, rendered with the target's
-    chat template and decoded greedily by the local target (:func:`~eagle_assets.drafter.evaluation.greedy_rows`),
-    or, with ``served_client`` (a ``GenerateClient`` of the server serving the target: ``training.features:
-    served``), by that server's ``/generate`` at temperature 0 (:func:`~eagle_assets.drafter.evaluation.
-    served_greedy_rows`; ``target_model`` is then not run). Prompts the server refuses are skipped and logged.
-
-    Cached in ``cache_dir/rows.parquet`` under a key of (prompt ids, max_new_tokens, stop ids, the target's weight
-    files' names, sizes and mtimes): a rerun on the same target and prompts generates nothing, whichever of the two
-    decoded them (both are the target's greedy rows; the simulation re-runs the target wherever a draft leaves a
-    row, so a near-tie decoded differently does not change what tau measures). Prompts the renderer rejects are
-    skipped and logged.
-    """
-    import pyarrow as pa
-
-    from eagle_assets.drafter.evaluation import greedy_rows
-    from eagle_assets.raw_prompts.rows import collect_prompt_rows
-    from eagle_assets.storage.shards import write_parquet_atomic
-    from eagle_assets.target_model.profile import detect_profile
-    from eagle_assets.target_model.render import RenderError, render_prompt
-    from eagle_assets.target_model.tokenizer import load_tokenizer
-
-    catalog = settings.catalog()
-    spec = catalog.training.unseen_eval
-    kept, rejects = collect_prompt_rows("unseen_eval", spec.resolved_sources(catalog.path), spec.prompt_policy)
-    tokenizer = load_tokenizer(model_dir)
-    profile = detect_profile(tokenizer, catalog.target.profile or None)
-    prompts, skipped = [], Counter(r["reason"] for r in rejects)
-    for r in list(kept.values())[: spec.limit]:
-        try:
-            rendered = render_prompt(tokenizer, json.loads(r["messages"]),
-                                     json.loads(r["tools"]) if r["tools"] else None,
-                                     enable_thinking=spec.enable_thinking, max_prompt_tokens=spec.max_prompt_tokens,
-                                     profile=profile)
-        except RenderError as exc:
-            skipped[exc.reason] += 1
-            continue
-        prompts.append(list(rendered.prompt_ids))
-    if skipped:
-        log(f"unseen_eval: {sum(skipped.values())} prompts skipped ({dict(skipped)})")
-    weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(model_dir).glob("*.safetensors"))
-    key = hashlib.sha256(json.dumps([prompts, spec.max_new_tokens, list(profile.stop_ids), weights]).encode()).hexdigest()
-    cached = cache_dir / "rows.parquet"
-    if cached.exists() and (pq.read_schema(cached).metadata or {}).get(b"key", b"").decode() == key:
-        t = pq.read_table(cached)
-        return [(np.asarray(i, dtype=np.int32), np.asarray(m, dtype=np.int8))
-                for i, m in zip(t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist())]
-    started = time.perf_counter()
-    if served_client is not None:
-        from eagle_assets.drafter.evaluation import served_greedy_rows
-
-        rows, failed = served_greedy_rows(served_client, prompts, spec.max_new_tokens, profile.stop_ids,
-                                          vocab_size=target_vocab_size(model_dir))
-        if failed:
-            log(f"unseen_eval: {sum(failed.values())} prompts got no generation from the server ({dict(failed)})")
-        by = f"the server ({', '.join(served_client.urls)})"
-    else:
-        rows = greedy_rows(target_model, prompts, spec.max_new_tokens, profile.stop_ids)
-        by = "the target"
-    log(f"unseen_eval: {len(rows)} rows generated greedily by {by} in {time.perf_counter() - started:.1f}s")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pylist([{"input_ids": i.tolist(), "loss_mask": m.tolist()} for i, m in rows],
-                                 schema=pa.schema([("input_ids", pa.list_(pa.int32())),
-                                                   ("loss_mask", pa.list_(pa.int8()))], metadata={"key": key}))
-    write_parquet_atomic(table, cached)
-    return rows

@@ -8,7 +8,7 @@
   frozen embedding, read from the safetensors shard that holds it) and ``config.json``. Each training and
   validation row's aux hidden states and teacher come from an SGLang server in aux-capture mode
   (:class:`~eagle_assets.drafter.served_features.ServedFeatureSource` +
-  :class:`~eagle_assets.drafter.served_features.ServedFeatureCache`); the learning curve's simulated acceptance
+  :class:`~eagle_assets.drafter.served_feature_cache.ServedFeatureCache`); the learning curve's simulated acceptance
   reads the target's greedy ids from the same replies and asks the server for the exact re-runs (one
   ``max_new_tokens: 1`` request each). The ``acceptance_length`` check and the unseen-source rows use the same
   server (:meth:`ServedFeatures.acceptance_rows`, :class:`ServedAcceptanceFeatures`,
@@ -126,7 +126,7 @@ class _Elsewhere:
 
 class _OwnedRows:
     """A data-parallel rank's view of the kept training rows: ``get(batch)`` for the rows it owns (indices into
-    the kept rows), read from the :class:`~eagle_assets.drafter.served_features.ServedFeatureCache` of the round
+    the kept rows), read from the :class:`~eagle_assets.drafter.served_feature_cache.ServedFeatureCache` of the round
     that fetched each (one ``get`` per cache a batch touches)."""
 
     cache = None
@@ -199,7 +199,7 @@ class ServedFeatures:
     served = True
 
     def __init__(self, model_dir: Path, spec: Any, log: Callable[[str], None]):
-        from eagle_assets.drafter.served_features import read_target_tensor
+        from eagle_assets.drafter.target_weights import read_target_tensor
 
         if not spec.urls:
             raise ValueError("training.features.source = served needs training.features.url (or the pipeline's "
@@ -232,7 +232,7 @@ class ServedFeatures:
         In a data-parallel run (``parallel.world > 1``; every rank calls this with the same rows) each rank fetches
         only the rows it trains on (:meth:`_admit_parallel`) and only rank 0, which scores them, the validation rows;
         the ranks agree on the refused rows, so every rank keeps the same rows and builds the same batches."""
-        from eagle_assets.drafter.served_features import ServedFeatureCache
+        from eagle_assets.drafter.served_feature_cache import ServedFeatureCache
 
         if not rows:
             return rows
@@ -255,7 +255,7 @@ class ServedFeatures:
 
     def _fetch(self, rows: list[PreparedRow], indices: list[int], capture: list[int], vocab: DraftVocab):
         """``(ServedFeatureCache of rows[indices], {index into rows: reason} of the refused ones)``."""
-        from eagle_assets.drafter.served_features import ServedFeatureCache
+        from eagle_assets.drafter.served_feature_cache import ServedFeatureCache
 
         cache = ServedFeatureCache([rows[i] for i in indices], self._source(capture), self.spec.cache,
                                    vocab.draft_token_ids, vocab.target_vocab_size, cache_dir=self.spec.cache_dir)
@@ -307,7 +307,7 @@ class ServedFeatures:
             self.log(f"served features: {fetched} of {len(rows)} {split} rows fetched over {parallel.world} ranks, "
                      "each by the rank that trains on it")
         if self.draft_index is None:
-            from eagle_assets.drafter.served_features import target_to_draft_index
+            from eagle_assets.drafter.served_feature_cache import target_to_draft_index
 
             self.draft_index = target_to_draft_index(vocab.draft_token_ids, vocab.target_vocab_size)
         for why in refused.values():
@@ -338,7 +338,7 @@ class ServedFeatures:
                     _teacher_w: Any = None, _teacher_b: Any = None):
         """``ttt_loss.supervision`` from served teachers (:func:`~eagle_assets.drafter.served_features.
         served_supervision`)."""
-        from eagle_assets.drafter.served_features import served_supervision
+        from eagle_assets.drafter.served_feature_cache import served_supervision
 
         return served_supervision(teachers, [f[1] for f in feats], in_draft, self.draft_index)
 

@@ -56,7 +56,7 @@ def build_prompt(conv: Conversation, policy: str = "last_user") -> tuple[list[di
         ``first_user``: the leading system message (if any) plus the FIRST user turn; the assistant message right
             after that turn, if any, is the reference.
         ``all_turns``: the whole conversation (``all_turns``); every assistant turn is regenerated from it
-            (``eagle_assets.conversation``), the dataset's first assistant message is the reference.
+            (``eagle_assets.generations.rollout``), the dataset's first assistant message is the reference.
     The reference is ``{"reasoning_content": str|None, "content": str, "tool_calls": list|None}``; it is the
     dataset's answer, kept for comparison only -- the training target is the target model's own generation.
     Messages after the reference are discarded.

@@ -1,6 +1,6 @@
 """Turn-by-turn, exactly-once generation of a partition's conversations (prompt policy ``all_turns``).
 
-Rounds over ``generation.run_generation`` (its lock, shards, flushes, failures and resume are reused unchanged):
+Rounds over ``generations.run.run_generation`` (its lock, shards, flushes, failures and resume are reused unchanged):
 each round replays every conversation through the rows already stored (``tokenized_prompts.walk`` + the reply parser),
 renders the next turn of every conversation that goes on, and generates exactly the turns that have no row yet. A
 generations row is one turn, keyed ``walk.turn_row_id(sample_id, mode, turn)``; the turn's identity and its prompt

@@ -25,7 +25,7 @@ counters (rows, drops per reason, truncated, under short) and exact histograms o
 (``figures.running.LengthHistogram``), judged by ``qc.thresholds``' rules from counts
 (``token_structure_outcome`` / ``response_length_outcome``); the example ids are bounded deques and a heap of the
 ``example_ids`` shortest rows. An evaluation costs O(longest length), not O(rows). A row's ``output_ids`` may be an
-int32 array (``generation.run_generation`` converts each reply once, for its shard and for this monitor): no Python
+int32 array (``generations.run.run_generation`` converts each reply once, for its shard and for this monitor): no Python
 ints are walked per row. Measured (issue 16, ``bench/bench_scale.py client``, Qwen3-shaped ~1,040-token replies,
 reports every 25 rows): ~110-130 us of CPU per row under load, against ~330 before.
 """

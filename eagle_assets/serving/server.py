@@ -48,7 +48,8 @@ Endpoints (shapes from sgl-project/sglang ``python/sglang/srt/entrypoints/http_s
 API key: with ``api_key`` set every path except ``/health*`` needs ``Authorization: Bearer <key>``, else HTTP 401
 ``{"error": "Unauthorized"}`` (SGLang's ``add_api_key_middleware``).
 
-Batching and determinism: see ``eagle_assets.serving.engine``. The model runs in the engine thread, so the event
+Parsing a body and building its reply: :mod:`eagle_assets.serving.generate_io`. Batching and determinism: see
+``eagle_assets.serving.engine``. The model runs in the engine thread, so the event
 loop keeps answering ``/health`` and accepting requests while a batch decodes.
 
 CLI: ``python -m eagle_assets.serving.server --model-path DIR [--host 127.0.0.1] [--port 30000]
@@ -62,17 +63,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import json
 import logging
-import math
 import os
 import signal
 import sys
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -86,65 +84,13 @@ from eagle_assets.serving.aux_capture import (
     num_layers_of,
 )
 from eagle_assets.serving.engine import DecodeEngine, EngineRequest, EngineResult, load_causal_lm, model_eos_ids
+from eagle_assets.serving.generate_io import BadRequest, GenerateIO
 from eagle_assets.serving.launch import READY_PREFIX
-from eagle_assets.serving.protocol import SGLANG_DEFAULT_MAX_NEW_TOKENS, SamplingParams
+from eagle_assets.serving.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 256 * 1024 * 1024
-
-
-class _BadRequest(ValueError):
-    """A request SGLang would answer with HTTP 400."""
-
-
-_HIDDEN_RANK = {None: 0, "last": 1, "full": 2}  # SGLang's CaptureHiddenMode order NULL < LAST < FULL
-
-
-@dataclass
-class _Item:
-    """One parsed input of a ``/generate`` body."""
-
-    rid: str
-    ids: list[int]
-    sp: SamplingParams
-    prefill_only: bool = False
-    hidden: str | None = None
-    logprob_start: int | None = None
-    top_logprobs: int = 0
-    text_in_logprobs: bool = False
-
-
-def _per_item(body: dict, key: str, n: int, default: Any) -> list[Any]:
-    value = body.get(key, default)
-    if isinstance(value, list):
-        if len(value) != n:
-            raise _BadRequest(f"The length of {key} should be equal to the batch size ({len(value)} for {n} inputs).")
-        return value
-    return [value] * n
-
-
-def _hidden_mode(value: Any) -> str | None:
-    # SGLang's get_return_hidden_states_mode: True -> FULL, "last" -> LAST, False -> NULL, anything else refused
-    if value is True:
-        return "full"
-    if value == "last":
-        return "last"
-    if value is False or value is None:
-        return None
-    raise _BadRequest("return_hidden_states must be a boolean or the string literal 'last'.")
-
-
-def _json_rows(t: Any) -> Any:
-    """``tensor.tolist()``, with non-finite values as None (JSON has no NaN; SGLang's orjson writes null)."""
-    import torch
-
-    if bool(torch.isfinite(t).all()):
-        return t.tolist()
-    rows = t.tolist()
-    if t.dim() == 1:
-        return [v if math.isfinite(v) else None for v in rows]
-    return [[v if math.isfinite(v) else None for v in r] for r in rows]
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -234,7 +180,8 @@ class ModelServer:
             self.model, self.eos_ids, max_batch_size=max_batch_size, batch_wait_s=batch_wait_s, seed=seed,
             hidden_states=source, capture_ids=self.capture_ids,
         )
-        self._warned_default_max_new = False
+        self.io = GenerateIO(self.tokenizer, self.vocab_size, self.context_length, self.return_hidden_states_mode,
+                             lambda: self.engine.recording_error)
 
     @staticmethod
     def _check_capture_args(enabled: bool, algorithm: str | None, layer_ids: list[int] | None,
@@ -318,201 +265,6 @@ class ModelServer:
             "aux_capture_convention": self.capture_convention,
         }
 
-    # ------------------------------------------------------------------------------------------------- parsing
-    def _parse(self, body: Any) -> tuple[list[_Item], bool]:
-        if not isinstance(body, dict):
-            raise _BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
-        if body.get("stream"):
-            raise _BadRequest("stream=true is not supported by this server; send a non-streaming request")
-        input_ids = body.get("input_ids")
-        if input_ids is None and body.get("text") is not None:
-            input_ids = self._tokenize(body["text"])
-        if input_ids is None:
-            raise _BadRequest("input_ids is required (a list of token ids, or a list of such lists)")
-        if not isinstance(input_ids, list) or not input_ids:
-            raise _BadRequest("input_ids must be a non-empty list of ints or a non-empty list of such lists")
-        single = not isinstance(input_ids[0], list)
-        batch = [input_ids] if single else input_ids
-        n = len(batch)
-        params = body.get("sampling_params")
-        if isinstance(params, list):
-            if len(params) != n:
-                raise _BadRequest(f"sampling_params has {len(params)} entries for {n} inputs")
-            param_list = params
-        else:
-            param_list = [params] * n
-        rid = body.get("rid")
-        if rid is None:
-            rids = [uuid.uuid4().hex for _ in range(n)]
-        elif isinstance(rid, list):
-            if len(rid) != n:
-                raise _BadRequest(f"rid has {len(rid)} entries for {n} inputs")
-            rids = [str(r) for r in rid]
-        else:
-            rids = [str(rid)] if single else [f"{rid}_{i}" for i in range(n)]
-        if body.get("token_ids_logprob") is not None:
-            raise _BadRequest("token_ids_logprob is not supported by this server; use top_logprobs_num")
-        hidden = [_hidden_mode(v) for v in _per_item(body, "return_hidden_states", n, False)]
-        self._check_hidden_allowed(hidden)
-        want_lp = _per_item(body, "return_logprob", n, False)
-        starts = _per_item(body, "logprob_start_len", n, -1)
-        tops = _per_item(body, "top_logprobs_num", n, 0)
-        text_in_lp = bool(body.get("return_text_in_logprobs", False))
-        parsed_cache: dict[int, tuple[SamplingParams, bool]] = {}
-        items = []
-        for i, (ids, p, r) in enumerate(zip(batch, param_list, rids)):
-            self._check_ids(ids, i, single)
-            key = id(p)
-            parsed = parsed_cache.get(key)
-            if parsed is None:
-                parsed = self._sampling(p)
-                parsed_cache[key] = parsed
-            sp, prefill_only = parsed
-            if self.context_length is not None:
-                room = self.context_length - len(ids)
-                if room <= 0:
-                    raise _BadRequest(
-                        f"The input ({len(ids)} tokens) is longer than the model's context length "
-                        f"({self.context_length} tokens)."
-                    )
-                if sp.max_new_tokens > room:
-                    sp = dataclasses.replace(sp, max_new_tokens=room)
-            item = _Item(r, ids, sp, prefill_only=prefill_only, hidden=hidden[i], text_in_logprobs=text_in_lp)
-            if want_lp[i]:
-                item.logprob_start, item.top_logprobs = self._logprob_range(ids, starts[i], tops[i], prefill_only)
-            items.append(item)
-        return items, single
-
-    def _check_hidden_allowed(self, hidden: list[str | None]) -> None:
-        asked = max(_HIDDEN_RANK[h] for h in hidden)
-        if asked <= _HIDDEN_RANK[self.return_hidden_states_mode]:
-            return
-        if self.return_hidden_states_mode is not None:
-            raise _BadRequest(
-                "The requested return_hidden_states mode exceeds the server maximum "
-                f"`{self.return_hidden_states_mode}`. Please launch with `--return-hidden-states-mode full` to allow "
-                "return_hidden_states=True."
-            )
-        raise _BadRequest(
-            "The server is not configured to return hidden states. Please set `--return-hidden-states-mode last`, "
-            "`--return-hidden-states-mode full`, or the legacy `--enable-return-hidden-states` flag."
-        )
-
-    def _logprob_range(self, ids: list[int], start: Any, top: Any, prefill_only: bool) -> tuple[int, int]:
-        """SGLang's resolved ``logprob_start_len`` (``scheduler.py``: -1 = output tokens only) and top-k."""
-        if type(start) is not int or start < -1:
-            raise _BadRequest(f"logprob_start_len must be an int >= -1, got {start!r}")
-        if type(top) is not int or top < 0:
-            raise _BadRequest(f"top_logprobs_num must be an int >= 0, got {top!r}")
-        if top > self.vocab_size:
-            raise _BadRequest(f"top_logprobs_num={top} is larger than the vocabulary ({self.vocab_size})")
-        resolved = len(ids) if start == -1 else start
-        if resolved < len(ids) and self.engine.recording_error:
-            raise _BadRequest(f"input logprobs are not available for this model: {self.engine.recording_error}")
-        if resolved > len(ids):
-            raise _BadRequest(
-                f"logprob_start_len={resolved} is higher than the number of input tokens len(req.origin_input_ids)="
-                f"{len(ids)}. Please use a smaller logprob_start_len."
-            )
-        return resolved, top
-
-    def _sampling(self, obj: Any) -> tuple[SamplingParams, bool]:
-        """``(params, prefill_only)``; ``max_new_tokens: 0`` is SGLang's prefill-only request."""
-        if isinstance(obj, dict) and type(obj.get("max_new_tokens")) is int and obj["max_new_tokens"] == 0:
-            return self._sampling_params({**obj, "max_new_tokens": 1}), True
-        return self._sampling_params(obj), False
-
-    def _sampling_params(self, obj: Any) -> SamplingParams:
-        if not (isinstance(obj, dict) and obj.get("max_new_tokens") is not None) and not self._warned_default_max_new:
-            self._warned_default_max_new = True
-            log.warning(
-                "a request has no sampling_params.max_new_tokens: using SGLang's silent default of %d",
-                SGLANG_DEFAULT_MAX_NEW_TOKENS,
-            )
-        try:
-            return SamplingParams.from_json(obj, default_max_new_tokens=SGLANG_DEFAULT_MAX_NEW_TOKENS)
-        except ValueError as exc:
-            raise _BadRequest(str(exc)) from None
-
-    def _check_ids(self, ids: Any, index: int, single: bool) -> None:
-        where = "input_ids" if single else f"input_ids[{index}]"
-        if not isinstance(ids, list) or not ids:
-            raise _BadRequest(f"{where} must be a non-empty list of ints")
-        for pos, t in enumerate(ids):
-            if type(t) is not int or not 0 <= t < self.vocab_size:
-                raise _BadRequest(f"{where}[{pos}] = {t!r} is not a token id in [0, {self.vocab_size})")
-
-    def _tokenize(self, text: Any) -> list[int] | list[list[int]]:
-        if self.tokenizer is None:
-            raise _BadRequest("this server has no tokenizer; send input_ids instead of text")
-        if isinstance(text, str):
-            return list(self.tokenizer(text).input_ids)
-        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            return [list(ids) for ids in self.tokenizer(text).input_ids]
-        raise _BadRequest("text must be a non-empty string or a non-empty list of strings")
-
-    def _reply(self, res: EngineResult, item: _Item) -> dict[str, Any]:
-        sp = item.sp
-        text = ""
-        if self.tokenizer is not None and res.output_ids:
-            # SGLang trims a matched stop token from the text only; output_ids keep it
-            shown = res.output_ids[:-1] if res.finish_reason.get("type") == "stop" else res.output_ids
-            text = self.tokenizer.decode(shown, skip_special_tokens=sp.skip_special_tokens)
-        meta: dict[str, Any] = {
-            "id": res.rid,
-            "finish_reason": res.finish_reason,
-            "prompt_tokens": res.prompt_tokens,
-            "completion_tokens": res.completion_tokens,
-            "cached_tokens": 0,
-            "e2e_latency": round(res.e2e_latency, 6),
-        }
-        if item.logprob_start is not None and res.finish_reason.get("type") != "abort":
-            meta.update(self._logprob_meta(res, item))
-        if item.hidden is not None and res.hidden_blocks is not None:
-            blocks = res.hidden_blocks
-            if item.hidden == "last":
-                meta["hidden_states"] = _json_rows(blocks[-1]) if blocks else None
-            else:
-                # output_streamer.py: hs[: finished_len], and finished_len == len(output_ids) at the finish
-                meta["hidden_states"] = [_json_rows(b) for b in blocks[: len(res.output_ids)]]
-        return {"text": text, "output_ids": res.output_ids, "meta_info": meta}
-
-    def _token_text(self, ids: list[int], with_text: bool) -> list[str | None]:
-        if not with_text or self.tokenizer is None:
-            return [None] * len(ids)
-        return [self.tokenizer.decode([t]) for t in ids]
-
-    def _logprob_meta(self, res: EngineResult, item: _Item) -> dict[str, Any]:
-        """SGLang's logprob fields of ``meta_info`` (``[logprob, token_id, text]`` triples)."""
-        with_text = item.text_in_logprobs
-        start = item.logprob_start
-        in_ids = item.ids[start:]
-        in_text = self._token_text(in_ids, with_text)
-        in_vals = res.input_logprobs.tolist() if res.input_logprobs is not None else []
-        input_lp = [[None if i == 0 else in_vals[i], t, in_text[i]] for i, t in enumerate(in_ids)]
-        out_vals = res.output_logprobs or []
-        out_text = self._token_text(res.output_ids, with_text)
-        output_lp = [[v, t, x] for v, t, x in zip(out_vals, res.output_ids, out_text)]
-        meta: dict[str, Any] = {
-            "input_token_logprobs": input_lp,
-            "output_token_logprobs": output_lp,
-            "output_token_logprobs_length": len(output_lp),
-        }
-        if item.top_logprobs > 0:
-            def triples(vals: list[float], ids: list[int]) -> list[list[Any]]:
-                texts = self._token_text(ids, with_text)
-                return [[v, t, x] for v, t, x in zip(vals, ids, texts)]
-
-            input_top: list[Any] = []
-            if res.input_top is not None:
-                vals, ids = res.input_top[0].tolist(), res.input_top[1].tolist()
-                input_top = [None] + [triples(v, i) for v, i in zip(vals[1:], ids[1:])]
-            elif in_ids:
-                input_top = [None]
-            meta["input_top_logprobs"] = input_top
-            meta["output_top_logprobs"] = [triples(v.tolist(), i.tolist()) for v, i in (res.output_top or [])]
-        return meta
-
     # ------------------------------------------------------------------------------------------------ handlers
     async def _handle_generate(self, request: web.Request) -> web.Response:
         arrival = time.monotonic()
@@ -522,8 +274,8 @@ class ModelServer:
         except ValueError as exc:
             return _error(400, f"request body is not valid JSON: {exc}")
         try:
-            items, single = self._parse(body)
-        except _BadRequest as exc:
+            items, single = self.io.parse(body)
+        except BadRequest as exc:
             return _error(400, str(exc))
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future] = []
@@ -546,7 +298,7 @@ class ModelServer:
             for r in reqs:
                 r.cancelled = True
             raise
-        replies = [self._reply(res, item) for res, item in zip(results, items)]
+        replies = [self.io.reply(res, item) for res, item in zip(results, items)]
         payload = replies[0] if single else replies
         return web.Response(body=json.dumps(payload).encode(), content_type="application/json")
 

@@ -1,0 +1,243 @@
+"""A whole catalog (:class:`Catalog`) and reading one from YAML: ``${VAR}`` expansion, validation, and each
+problem reported as a :class:`~eagle_assets.catalog.base.CatalogError` naming the file, the field path and the fix."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from eagle_assets.catalog.base import CatalogError, StrictModel
+from eagle_assets.catalog.partitions import (
+    CHUNK_KEY_RE,
+    PARTITION_KEY_RE,
+    LiveSpec,
+    PartitionSpec,
+    SamplingSpec,
+    ServerSpec,
+    ShareLevels,
+    SourceSpec,
+    TargetSpec,
+    Thresholds,
+    chunk_keys,
+)
+from eagle_assets.catalog.training import BucketCap, FeaturesSpec, MixSpec, TrainingSpec
+
+CATALOG_ENV = "EAGLE_ASSETS_CATALOG"
+_ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+class Catalog(StrictModel):
+    """A validated catalog. Build with :func:`load_catalog`."""
+
+    target: TargetSpec = Field(default_factory=TargetSpec)
+    server: ServerSpec = Field(default_factory=ServerSpec)
+    partitions: dict[str, PartitionSpec] = Field(min_length=1)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+
+    _path: Path | None = PrivateAttr(default=None)
+
+    @field_validator("partitions")
+    @classmethod
+    def _keys(cls, v: dict[str, PartitionSpec]) -> dict[str, PartitionSpec]:
+        for key in v:
+            if not PARTITION_KEY_RE.match(key):
+                raise ValueError(f"partition key {key!r} must match {PARTITION_KEY_RE.pattern} (letters, digits, '_' and '-'; no path separators or dots)")
+        return v
+
+    @model_validator(mode="after")
+    def _mix_weights_name_partitions(self) -> Catalog:
+        unknown = sorted(set(self.training.mix.weights) - set(self.partitions))
+        if unknown:
+            raise ValueError(f"training.mix.weights names unknown partition(s) {unknown}; "
+                             f"known partitions: {list(self.partitions)}")
+        return self
+
+    @property
+    def path(self) -> Path | None:
+        """The catalog file this was loaded from."""
+        return self._path
+
+    @property
+    def dataset_keys(self) -> list[str]:
+        """Dataset keys (the entries under ``partitions``) in file order."""
+        return list(self.partitions)
+
+    @property
+    def partition_keys(self) -> list[str]:
+        """Dagster partition keys in file order: a dataset's key, or its chunk keys when it has ``chunks`` > 1."""
+        return [k for d in self.partitions for k in self.dataset_partition_keys(d)]
+
+    @property
+    def chunked_datasets(self) -> list[str]:
+        """The datasets split into more than one chunk, in file order."""
+        return [d for d, spec in self.partitions.items() if spec.chunks > 1]
+
+    def dataset_partition_keys(self, dataset: str) -> list[str]:
+        """The partition keys of one dataset: ``[dataset]`` or its chunk keys; raises CatalogError for an unknown
+        dataset."""
+        if dataset not in self.partitions:
+            raise CatalogError(self._path or "<catalog>", f"partitions.{dataset}", "no such dataset",
+                               f"known datasets: {self.dataset_keys}")
+        chunks = self.partitions[dataset].chunks
+        return chunk_keys(dataset, chunks) if chunks > 1 else [dataset]
+
+    def resolve(self, key: str) -> tuple[str, int | None, int]:
+        """``(dataset key, chunk index or None, chunk count)`` of a partition key (``<dataset>`` or
+        ``<dataset>.cNN``). Raises CatalogError naming the known partition keys for an unknown dataset, a chunk
+        index out of range or not padded as :func:`chunk_keys` writes it, the bare key of a chunked dataset (its
+        partitions are its chunks) and a chunk key of a dataset that is not chunked."""
+        known = self.partition_keys
+        shown = known if len(known) <= 20 else [*known[:20], f"... ({len(known)} in all)"]
+        where = self._path or "<catalog>"
+        match = CHUNK_KEY_RE.match(key) if isinstance(key, str) else None
+        dataset = match.group("dataset") if match else key
+        if dataset not in self.partitions:
+            raise CatalogError(where, f"partitions.{dataset}", "no such partition", f"known partitions: {shown}")
+        chunks = self.partitions[dataset].chunks
+        if match is None:
+            if chunks > 1:
+                raise CatalogError(where, f"partitions.{dataset}", f"dataset {dataset} is split into {chunks} chunks: "
+                                   "a run takes one chunk",
+                                   f"use its chunk keys {chunk_keys(dataset, chunks)[0]} .. "
+                                   f"{chunk_keys(dataset, chunks)[-1]}")
+            return dataset, None, 1
+        if key not in chunk_keys(dataset, chunks) or chunks == 1:
+            raise CatalogError(where, f"partitions.{dataset}", f"no chunk {key!r}: {dataset} has "
+                               + (f"{chunks} chunks" if chunks > 1 else "no chunks (chunks: 1)"),
+                               f"known partitions: {shown}")
+        return dataset, int(match.group("index")), chunks
+
+    def partition(self, key: str) -> PartitionSpec:
+        """The spec of one partition key (a dataset's or a chunk's, see :meth:`resolve`): for a chunk, a copy of
+        its dataset's spec whose ``key`` is the chunk key and ``chunk`` its index. Raises CatalogError listing the
+        known keys."""
+        dataset, chunk, _ = self.resolve(key)
+        spec = self.partitions[dataset]
+        if chunk is None:
+            return spec
+        copy = spec.model_copy()
+        copy._key, copy._dataset, copy._chunk = key, dataset, chunk
+        return copy
+
+
+def _expand_env(value: Any, where: str, file: Path) -> Any:
+    if isinstance(value, dict):
+        return {k: _expand_env(v, f"{where}.{k}" if where else str(k), file) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand_env(v, f"{where}[{i}]", file) for i, v in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match) -> str:
+        name, default = m.group(1), m.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is not None:
+            return default
+        raise CatalogError(file, where, f"environment variable {name} is not set", f"export {name}=... or write ${{{name}:-default}}")
+
+    return _ENV_RE.sub(sub, value)
+
+
+_FIXES = {
+    "max_new_tokens": "set sampling.max_new_tokens explicitly (SGLang silently generates at most 128 tokens when it is missing)",
+    "sources": "list at least one {path: ..., format: ...}",
+    "sampling": "add a sampling block with at least max_new_tokens",
+    "partitions": "define at least one partition under 'partitions:'",
+}
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts[-1:] = [f"{parts[-1]}[{item}]"] if parts else [f"[{item}]"]
+        elif str(item) in ("str", "list[str]") or str(item).startswith("function-after["):
+            continue  # pydantic union/validator branch labels, not fields
+        else:
+            parts.append(str(item))
+    return ".".join(parts) or "<top level>"
+
+
+def _all_field_names() -> set[str]:
+    names: set[str] = set()
+    for model in (TargetSpec, ServerSpec, SamplingSpec, Thresholds, ShareLevels, LiveSpec, SourceSpec, PartitionSpec,
+                  BucketCap, MixSpec, FeaturesSpec, TrainingSpec, Catalog):
+        names.update(model.model_fields)
+    return names
+
+
+def _catalog_error(file: Path, err: ValidationError) -> CatalogError:
+    # An unknown key usually explains a "missing" one next to it (a typo), so report unknown keys first.
+    errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    first = errors[0]
+    loc = tuple(first["loc"])
+    field = _field_path(loc)
+    last = next((str(x) for x in reversed(loc) if not isinstance(x, int)), "")
+    kind = first["type"]
+    if kind == "missing":
+        problem = "is required but missing"
+    elif kind == "extra_forbidden":
+        problem = "is not a known field (typo?)"
+    else:
+        problem = first["msg"].removeprefix("Value error, ")
+        if "input" in first and not isinstance(first["input"], (dict, list)):
+            problem += f" (got {first['input']!r})"
+    fix = _FIXES.get(last, "")
+    if kind == "extra_forbidden":
+        close = difflib.get_close_matches(last, sorted(_all_field_names()), n=1)
+        fix = (f"did you mean {close[0]!r}? " if close else "") + "remove it or fix its spelling; see catalogs/default.yaml for the accepted fields"
+    more = len(errors) - 1
+    if more:
+        fix = (fix + "; " if fix else "") + f"{more} more problem(s) after this one"
+    return CatalogError(file, field, problem, fix)
+
+
+def load_catalog(path: str | Path) -> Catalog:
+    """Read, expand and validate a catalog YAML file.
+
+    Raises:
+        CatalogError: missing/unreadable file, invalid YAML, unset environment variable, or a schema violation;
+            the message names the file, the field path (e.g. ``partitions.B1_glaive.sampling.max_new_tokens``)
+            and what to do.
+    """
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise CatalogError(file, "<file>", "catalog file does not exist", f"create it or point ${CATALOG_ENV} at an existing catalog")
+    try:
+        raw = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<yaml>"
+        raise CatalogError(file, where, f"invalid YAML ({getattr(e, 'problem', e)})", "fix the YAML syntax") from None
+    if not isinstance(raw, dict):
+        raise CatalogError(file, "<top level>", f"expected a mapping with target/server/partitions/training, got {type(raw).__name__}", "see catalogs/default.yaml")
+    raw = _expand_env(raw, "", file)
+    try:
+        catalog = Catalog.model_validate(raw)
+    except ValidationError as e:
+        raise _catalog_error(file, e) from None
+    catalog._path = file
+    for key, spec in catalog.partitions.items():
+        spec._base_dir = file.parent
+        spec._key = key
+        spec._dataset = key
+        spec._catalog_file = file
+    return catalog
+
+
+def repo_root() -> Path:
+    """The repository checkout this package lives in (catalogs/ sits at its top level)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def default_catalog_path() -> Path:
+    """``$EAGLE_ASSETS_CATALOG`` if set, else ``<repo>/catalogs/default.yaml``."""
+    env = os.environ.get(CATALOG_ENV)
+    return Path(env).expanduser() if env else repo_root() / "catalogs" / "default.yaml"

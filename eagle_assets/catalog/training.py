@@ -1,0 +1,197 @@
+"""The catalog's ``training`` section: draft vocab, TTT steps, the training mix, the features source and the
+acceptance evaluations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from eagle_assets.catalog.base import CatalogError, StrictModel
+from eagle_assets.catalog.partitions import SourceSpec, check_http_urls
+from eagle_assets.formats import resolve_format
+
+
+class BucketCap(StrictModel):
+    """At most ``max_share`` of the mix's completion tokens may come from rows with fewer than ``below_tokens``
+    completion tokens."""
+
+    below_tokens: int = Field(gt=0)
+    max_share: float = Field(ge=0, le=1)
+
+
+class MixSpec(StrictModel):
+    """The ``training_mix`` asset: which QC rows the drafter trains on (see ``drafter.mix``).
+
+    ``mode``: "balanced" (per-partition weights and length-bucket caps) or "concat" (rows of every partition in
+    catalog order until the budget is spent: the unbalanced baseline). ``token_budget``: completion (loss) tokens
+    of the mix; null = every training row's tokens. ``weights``: relative token share per partition key (missing
+    keys weigh 1.0). ``bucket_caps``: caps on the share of tokens from short rows. ``seed``: row order.
+    ``turn_weights``: {turn index: weight} for ``all_turns`` partitions (``drafter.turn_mix``).
+    """
+
+    mode: Literal["balanced", "concat"] = "balanced"
+    token_budget: int | None = Field(None, gt=0)
+    weights: dict[str, float] = Field(default_factory=dict)
+    bucket_caps: list[BucketCap] = Field(default_factory=list)
+    seed: int = 0
+    # all_turns partitions: a partition's share split between its turn indexes by these weights (unlisted = 1.0)
+    turn_weights: dict[int, float] = Field(default_factory=dict)
+
+    @field_validator("weights", "turn_weights")
+    @classmethod
+    def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: w for k, w in v.items() if w < 0}
+        if bad:
+            raise ValueError(f"weights must be >= 0 (got {bad}); 0 leaves a partition out of the mix")
+        return v
+
+
+class UnseenEvalSpec(StrictModel):
+    """Prompts from a source the drafter never trains on, for a second acceptance figure.
+
+    The ``drafter_checkpoint`` asset renders them with the target's chat template (as ``tokenized_prompts`` does),
+    generates greedily with the local target (``max_new_tokens`` each, stopping at the target's stop ids) and
+    simulates chain drafting on the result; the generations are cached beside the checkpoint.
+    """
+
+    description: str = ""
+    sources: list[SourceSpec] = Field(min_length=1)
+    prompt_policy: Literal["last_user", "first_user"] = "last_user"
+    enable_thinking: bool | None = None
+    max_new_tokens: int = Field(256, gt=0)
+    limit: int | None = Field(32, gt=0)
+    max_prompt_tokens: int | None = Field(2048, gt=0)
+
+    def resolved_sources(self, catalog_file: Path | None) -> list[tuple[Path, str]]:
+        """``[(absolute path, canonical format name)]``; relative paths resolve against ``catalog_file``'s directory.
+
+        Raises:
+            CatalogError: a source file does not exist.
+        """
+        out = []
+        base = Path(catalog_file).parent if catalog_file is not None else Path(".")
+        for i, src in enumerate(self.sources):
+            p = Path(src.path).expanduser()
+            p = (p if p.is_absolute() else base / p).resolve()
+            if not p.is_file():
+                raise CatalogError(
+                    catalog_file or "<catalog>", f"training.unseen_eval.sources[{i}].path",
+                    f"file {p} does not exist",
+                    "fix the path (relative paths resolve against the catalog file's directory) or remove unseen_eval",
+                )
+            out.append((p, resolve_format(src.format)))
+        return out
+
+
+class FeaturesSpec(StrictModel):
+    """``training.features``: where the drafter's target features (aux hidden states, teacher) come from.
+
+    ``local`` (the default) runs the target with transformers in the trainer's process
+    (``eagle_assets.drafter.feature_cache``); ``served`` fetches them from an SGLang server in aux-capture mode
+    (``eagle_assets.drafter.served_features``; docs/served_features.md). ``features: served`` is short for
+    ``features: {source: served}``.
+
+    Fields (``served`` only):
+        url: server(s) in aux-capture mode; null = the pipeline's ``sglang`` resource (its ``server.url``, or a
+            server it launches with the capture flags).
+        teacher: ``hard`` (the row's own next token) | ``topk`` (the target's top-``top_k`` logprobs, renormalized
+            over the draft vocab; with ``top_k`` >= the vocab size it is the local teacher).
+        cache: ``disk`` (verified shards under ``cache_dir``, reused across runs) | ``memory`` | ``none`` (fetched
+            for every batch when trained on). cache_dir: null = beside the checkpoint.
+        storage_dtype: ``auto`` (bfloat16 when lossless) | ``bfloat16`` | ``float32``; shard_mb: aux bytes
+            (float32-equivalent) per shard.
+        concurrency: requests in flight per server; timeout_s / max_attempts: per HTTP attempt / attempts per row
+            (connection errors, timeouts, 5xx and unusable replies are retried); api_key_env: the server's key.
+    """
+
+    source: Literal["local", "served"] = "local"
+    url: str | list[str] | None = None
+    teacher: Literal["hard", "topk"] = "hard"
+    top_k: int = Field(20, gt=0)
+    cache: Literal["disk", "memory", "none"] = "disk"
+    cache_dir: str | None = None
+    storage_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    shard_mb: float = Field(512, gt=0)
+    concurrency: int = Field(4, gt=0)
+    timeout_s: float = Field(600.0, gt=0)
+    max_attempts: int = Field(4, gt=0)
+    api_key_env: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        return {"source": v} if isinstance(v, str) else v
+
+    @field_validator("url")
+    @classmethod
+    def _urls_are_http(cls, v: Any) -> Any:
+        return check_http_urls(v)
+
+    @property
+    def urls(self) -> list[str]:
+        """The configured URLs (empty = the pipeline's server resource)."""
+        if self.url is None:
+            return []
+        return [self.url] if isinstance(self.url, str) else list(self.url)
+
+
+class TrainingSpec(StrictModel):
+    """Drafter training settings (EAGLE-3 defaults: 7 TTT steps, 32k draft vocab).
+
+    The run length is ``train_tokens`` capped at ``epochs`` passes (see ``eagle_assets.drafter.recipe``, which also
+    gives recommended values per target class). Held-out rows (``assets.training_rows.row_splits``): per partition a
+    ``holdout_fraction`` share by keyed hash, at most ``holdout_rows``, never trained on; ``validation_rows`` of them
+    give the learning curve and early stopping, the rest are the ``acceptance_length`` check's test rows.
+    """
+
+    draft_vocab_size: int = Field(32000, gt=0)
+    ttt_steps: int = Field(7, gt=0)
+    epochs: float | None = Field(10, gt=0)  # at most this many passes (null = no cap)
+    train_tokens: int | None = Field(None, gt=0)  # at most this many row tokens through the optimizer (null = no cap)
+    lr: float = Field(1.0e-4, gt=0)
+    max_length: int = Field(2048, gt=0)
+    batch_tokens: int = Field(16384, gt=0)
+    seed: int = 0
+    holdout_fraction: float = Field(0.1, ge=0, lt=1)  # share of each partition never trained on (keyed hash)
+    holdout_rows: int | None = Field(None, ge=0)  # at most this many held-out rows per partition (null = no cap)
+    validation_rows: int = Field(0, ge=0)  # of the held-out rows per partition: these steer training (at most half)
+    eval_every_tokens: int = Field(0, ge=0)  # learning-curve points every this many training tokens (0 = end only)
+    patience: int = Field(0, ge=0)  # early stop after this many points without a val-tau gain of min_delta (0 = off)
+    min_delta: float = Field(0.0, ge=0)
+    aux_layer_ids: list[int] | None = None
+    # Acceptance-length check: simulated chain drafting of acceptance_k tokens (SGLang --speculative-num-steps).
+    acceptance_k: int = Field(7, gt=0)
+    acceptance_max_positions: int | None = Field(None, gt=0)  # verification points per partition (null = all rows)
+    min_tau_margin: float = Field(0.05, ge=0)  # ERROR when mean held-out tau <= 1 + margin
+    tau_warn: float = Field(1.5, ge=1)  # WARN under this mean held-out tau
+    unseen_eval: UnseenEvalSpec | None = None
+    warmup_steps: int | None = Field(None, ge=0)  # linear warm-up steps; null = 5% of all steps, 0 = none
+    schedule: Literal["cosine", "constant"] = "cosine"  # learning rate after warm-up
+    # Resumable training: a state (weights, AdamW moments, position) every this many steps and at each epoch end.
+    save_every_steps: int = Field(50, ge=0)
+    # torch CPU threads for training and the acceptance simulations (null = torch's default: every core). A drafter
+    # as small as the demo's runs its many small ops fastest on one thread, and two threads on two busy cores stall
+    # each other at every op.
+    threads: int | None = Field(None, gt=0)
+    # How drafter_checkpoint runs the trainer: inline (in the step's process) or torchrun (the training command in
+    # nproc_per_node data-parallel processes, through Dagster Pipes; eagle_assets.drafter.train_command). The weights
+    # do not depend on it (up to float rounding: eagle_assets.drafter.distributed).
+    launcher: Literal["inline", "torchrun"] = "inline"
+    nproc_per_node: int = Field(1, gt=0)
+    mix: MixSpec = Field(default_factory=MixSpec)
+    features: FeaturesSpec = Field(default_factory=FeaturesSpec)  # local | served (docs/served_features.md)
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _three_layers(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (len(v) != 3 or any(i < 0 for i in v)):
+            raise ValueError("aux_layer_ids must be null (SGLang default [2, L//2, L-3]) or three non-negative layer ids")
+        return v
+
+    @model_validator(mode="after")
+    def _run_length(self) -> TrainingSpec:
+        if self.epochs is None and self.train_tokens is None:
+            raise ValueError("set training.epochs or training.train_tokens (or both: the run stops at the first)")
+        return self
