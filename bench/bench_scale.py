@@ -25,13 +25,19 @@ Four modes, all on synthetic ShareGPT-like data with the real Qwen3 tokenizer
          issue's figures of the code before issue 16 as ratios (interpolated between its sizes when not measured
          at that size); with ``--baseline DIR`` (``git archive e5c85fb | tar -x -C DIR``: the tree before issue
          16) the same job of that tree in the same run, up to ``--baseline-max`` conversations.
-  client ``generation.run_generation`` (client + shards + live monitor, as ``generations`` runs it) from a
+  raw    the ``raw_prompts`` asset alone (issue 27, item 2) on N synthetic ShareGPT conversations: one Dagster run
+         of ``partition_job`` restricted to ``raw_prompts`` per partition key (``execute_in_process`` with
+         ``asset_selection``, a real sqlite instance, a child process per layout), unchunked and as K chunks for
+         each ``--chunks`` value. Prints the step's seconds summed over the chunks, the ratio to the unchunked
+         parse (target <= 1.2x), and checks that the chunks' rows together are exactly the unchunked rows.
+  client ``generations.run.run_generation`` (client + shards + live monitor, as ``generations`` runs it) from a
          ``PromptsFile`` at 1,024 requests in flight against the same stub: requests/s, client and stub CPU per
          request, the client's one-core ceiling; with and without the live monitor.
 
 Usage: ``.venv/bin/python bench/bench_scale.py micro [--rows 20000]``
        ``.venv/bin/python bench/bench_scale.py qc --conversations 10000 100000 [--baseline /tmp/base]``
        ``.venv/bin/python bench/bench_scale.py job --conversations 10000 100000 [--baseline /tmp/base] [--chunks K]``
+       ``.venv/bin/python bench/bench_scale.py raw --conversations 100000 --chunks 4 16``
        ``.venv/bin/python bench/bench_scale.py client [--requests 20000] [--concurrency 1024] [--baseline /tmp/base]``
 
 Numbers depend on the machine's load: micro prints this process's run-queue wait (``bench/schedstat.py``), job and
@@ -408,6 +414,75 @@ def _run_job(tree: Path, n: int, concurrency: int, keep: Path | None, baseline: 
     return n, out_tokens, wall, usage.ru_maxrss / 2**20, steps, shards
 
 
+RAW_CHILD = """
+import sys, time
+from pathlib import Path
+import dagster as dg
+from eagle_assets.definitions import PARTITION_JOB, build_definitions
+catalog, store, home = sys.argv[1:4]
+defs = build_definitions(catalog, storage_root=store)
+job = defs.resolve_job_def(PARTITION_JOB)
+keys = defs.resolve_job_def(PARTITION_JOB).partitions_def.get_partition_keys()
+with dg.DagsterInstance.from_config(home) as instance:
+    for key in keys:
+        result = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False,
+                                        asset_selection=[dg.AssetKey("raw_prompts")])
+        if not result.success:
+            sys.exit(f"raw_prompts failed on {key}")
+"""
+
+
+def raw_stage(sizes: list[int], chunk_counts: list[int]) -> int:
+    """``raw_prompts`` alone per size: unchunked, then as K chunks for each K; seconds of the step (Dagster's step
+    events) summed over the chunks, the ratio to the unchunked run, and the rows of the chunks together against the
+    unchunked rows (sorted by sample id; equal as sets and byte for byte per row)."""
+    from eagle_assets.catalog import chunk_keys
+
+    print(f"load average {open('/proc/loadavg').read().split()[0]} on {os.cpu_count()} CPUs", flush=True)
+    ok = True
+    print("| conversations | chunks | raw_prompts s (summed) | ratio to unchunked | child wall s | rows | same rows |\n"
+          "|---|---|---|---|---|---|---|")
+    for n in sizes:
+        tmp = Path(tempfile.mkdtemp(prefix=f"bench_raw_{n}_"))
+        write_sharegpt(tmp / "sharegpt.jsonl", n)
+        base_rows = None
+        base_s = None
+        for k in [1, *chunk_counts]:
+            run = tmp / f"k{k}"
+            home, store = run / "dagster_home", run / "store"
+            home.mkdir(parents=True)
+            (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+            catalog = {"target": {"model": str(QWEN)}, "server": {"url": "http://127.0.0.1:9"},
+                       "partitions": {"S_sharegpt": {
+                           "sources": [{"path": str(tmp / "sharegpt.jsonl"), "format": "sharegpt"}],
+                           "prompt_policy": "last_user", "sampling": {"max_new_tokens": CAP},
+                           "max_prompt_tokens": 4096, "seed": 0, **({"chunks": k} if k > 1 else {})}}}
+            (run / "bench.yaml").write_text(json.dumps(catalog))
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-c", RAW_CHILD, str(run / "bench.yaml"), str(store), str(home)],
+                                  env=dict(os.environ, DAGSTER_HOME=str(home)), capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            if proc.returncode:
+                print(proc.stdout[-2000:], proc.stderr[-4000:])
+                return 1
+            seconds = _step_seconds(home, k).get("raw_prompts", float("nan"))
+            keys = ["S_sharegpt"] if k == 1 else chunk_keys("S_sharegpt", k)
+            tables = [pq.read_table(store / "bench" / "raw_prompts" / key / "prompts.parquet") for key in keys]
+            rows = pa.concat_tables(tables).sort_by("sample_id")
+            if base_rows is None:
+                base_rows, base_s = rows, seconds
+            same = rows.equals(base_rows)
+            ok &= same and (k == 1 or seconds <= 1.2 * base_s)
+            print(f"| {n:,} | {k} | {seconds:.1f} | {seconds / base_s:.2f}x | {wall:.1f} | {rows.num_rows:,} | "
+                  f"{same} |", flush=True)
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\nwithin 1.2x of the unchunked parse with the same rows at every size and chunk count: "
+          f"{'yes' if ok else 'NO'}")
+    return 0 if ok else 1
+
+
 def job_stage(sizes: list[int], concurrency: int, keep: Path | None, baseline: Path | None = None,
               baseline_max: int = 10_000, chunks: int = 1) -> int:
     """The partition job through the CLI (``eagle-assets run --skip-training``: Dagster's ``execute_in_process``
@@ -580,6 +655,9 @@ def main() -> int:
     j.add_argument("--baseline-max", type=int, default=10_000, help="largest size run through the baseline")
     j.add_argument("--chunks", type=int, default=1,
                    help="split the dataset into this many chunk partitions (catalog chunks: N), one run each")
+    r = sub.add_parser("raw", help="raw_prompts alone, unchunked and in K chunks")
+    r.add_argument("--conversations", type=int, nargs="+", default=[100_000])
+    r.add_argument("--chunks", type=int, nargs="+", default=[4, 16])
     c = sub.add_parser("client", help="run_generation at many requests in flight against the zero-latency stub")
     c.add_argument("--requests", type=int, default=20_000)
     c.add_argument("--concurrency", type=int, default=1024)
@@ -596,6 +674,8 @@ def main() -> int:
         if args.baseline is not None:
             return client_compare(args.requests, args.concurrency, args.baseline)
         return client_stage(args.requests, args.concurrency)
+    if args.cmd == "raw":
+        return raw_stage(args.conversations, args.chunks)
     if args.cmd == "job":
         return job_stage(args.conversations, args.concurrency, args.keep, args.baseline, args.baseline_max,
                          args.chunks)

@@ -1,25 +1,38 @@
-"""Byte-for-byte comparison of two ``eagle-assets run`` outputs (issue 26: a redesign must not change them).
+"""Comparison of two ``eagle-assets run`` outputs (issue 26: a redesign must not change them).
 
 Hashes (sha256) every Parquet shard, the draft vocab, the training mix and the drafter's ``model.safetensors``
-under two storage roots and prints the files that differ or exist on one side only. Exit status 0 when all are
-equal, 1 otherwise.
+under two storage roots. Where a Parquet file's bytes differ, its asset partition is compared again as rows: the
+partition's shards read together, the columns that carry wall-clock time dropped (``VOLATILE``), every row written
+as canonical JSON and the rows sorted. Two runs of the SAME code differ there too, for reasons outside the code:
 
-Usage (a run before and after a change, each in its own root)::
+- ``generations`` flushes a shard every ``flush_rows`` rows OR every ``flush_seconds``, and writes rows in the
+  order the server finishes them, so the shard boundaries and the row order follow the run's timing;
+- ``latency_s`` is the request's measured wall time;
+- multi-turn ``qc_shards`` keep the generation order of their turn rows.
 
-    git worktree add /tmp/before <old commit>   # and install it in its own venv
-    EAGLE_ASSETS_HOME=/tmp/out-before /tmp/before/.venv/bin/eagle-assets run
+A partition is reported ``equal`` (bytes), ``equal as rows`` (same rows, other order or sharding) or ``DIFFERS``.
+Exit status 0 when nothing differs as rows, 1 otherwise.
+
+Usage (a run before and after a change, each in its own root, on one catalog whose sources and target are at the
+same absolute paths for both, since ``raw_prompts`` records each source's path)::
+
+    git worktree add /tmp/before <old commit>
+    EAGLE_ASSETS_HOME=/tmp/out-before PYTHONPATH=/tmp/before .venv/bin/python -m eagle_assets.cli run   # in /tmp/before
     EAGLE_ASSETS_HOME=/tmp/out-after .venv/bin/eagle-assets run
-    .venv/bin/python bench/compare_outputs.py /tmp/out-before/default /tmp/out-after/default
+    .venv/bin/python bench/compare_outputs.py /tmp/out-before/<catalog> /tmp/out-after/<catalog>
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from pathlib import Path
 
 # What the pipeline produces; run metadata (provenance.json, live_stats.json, logs) carries times and paths.
 PATTERNS = ("**/*.parquet", "draft_vocab/**/*.npy", "training_mix/**/*", "drafter_checkpoint/**/model.safetensors")
+# Columns that hold a measured duration, not data.
+VOLATILE = frozenset({"latency_s"})
 
 
 def digests(root: Path) -> dict[str, str]:
@@ -32,22 +45,61 @@ def digests(root: Path) -> dict[str, str]:
     return out
 
 
+def group_of(rel: str) -> str:
+    """The asset partition a file belongs to, and for shards the shard family: ``generations/B1/shard`` for
+    ``generations/B1/shard-00002.parquet``, the path itself for any other file."""
+    path = Path(rel)
+    return str(path.parent / "shard") if path.name.startswith("shard-") and path.suffix == ".parquet" else rel
+
+
+def row_digest(root: Path, rels: list[str]) -> tuple[int, str]:
+    """(row count, sha256 of the sorted canonical JSON rows) of the Parquet files ``rels`` under ``root`` read as
+    one table, without the ``VOLATILE`` columns."""
+    import pyarrow.parquet as pq
+
+    rows: list[str] = []
+    for rel in sorted(rels):
+        table = pq.read_table(root / rel)
+        table = table.drop_columns([c for c in table.column_names if c in VOLATILE])
+        rows.extend(json.dumps(r, sort_keys=True, default=str) for r in table.to_pylist())
+    rows.sort()
+    return len(rows), hashlib.sha256("\n".join(rows).encode()).hexdigest()
+
+
+def compare(a_root: Path, b_root: Path) -> dict[str, str]:
+    """Group (see :func:`group_of`) -> ``equal`` | ``equal as rows`` | ``DIFFERS`` | ``first only`` | ``second only``."""
+    a, b = digests(a_root), digests(b_root)
+    groups: dict[str, tuple[list[str], list[str]]] = {}
+    for side, found in ((0, a), (1, b)):
+        for rel in found:
+            groups.setdefault(group_of(rel), ([], []))[side].append(rel)
+    out = {}
+    for group, (ra, rb) in sorted(groups.items()):
+        if not ra or not rb:
+            out[group] = "first only" if ra else "second only"
+        elif sorted(ra) == sorted(rb) and all(a[r] == b[r] for r in ra):
+            out[group] = "equal"
+        elif all(r.endswith(".parquet") for r in ra + rb) and row_digest(a_root, ra) == row_digest(b_root, rb):
+            out[group] = "equal as rows"
+        else:
+            out[group] = "DIFFERS"
+    return out
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__)
         return 2
-    a, b = (digests(Path(p)) for p in argv)
-    if not a and not b:
+    a_root, b_root = (Path(p) for p in argv)
+    verdicts = compare(a_root, b_root)
+    if not verdicts:
         print("no outputs under either root: did both runs finish?")
         return 1
-    differ = [k for k in sorted(a.keys() & b.keys()) if a[k] != b[k]]
-    only = sorted(a.keys() ^ b.keys())
-    for k in differ:
-        print(f"DIFFERS  {k}")
-    for k in only:
-        print(f"ONE SIDE {k} ({'first' if k in a else 'second'} only)")
-    print(f"{len(a.keys() & b.keys()) - len(differ)} equal, {len(differ)} differ, {len(only)} on one side only")
-    return 0 if not differ and not only else 1
+    for group, verdict in verdicts.items():
+        print(f"{verdict:14s} {group}")
+    counts = {v: sum(x == v for x in verdicts.values()) for v in dict.fromkeys(verdicts.values())}
+    print(", ".join(f"{n} {v}" for v, n in counts.items()))
+    return 0 if set(verdicts.values()) <= {"equal", "equal as rows"} else 1
 
 
 if __name__ == "__main__":
