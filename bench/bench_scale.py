@@ -28,7 +28,7 @@ Four modes, all on synthetic ShareGPT-like data with the real Qwen3 tokenizer
   raw    the ``raw_prompts`` asset alone (issue 27, item 2) on N synthetic ShareGPT conversations: one Dagster run
          of ``partition_job`` restricted to ``raw_prompts`` per partition key (``execute_in_process`` with
          ``asset_selection``, a real sqlite instance, a child process per layout), unchunked and as K chunks for
-         each ``--chunks`` value. Prints the step's seconds summed over the chunks, the ratio to the unchunked
+         each ``--chunks`` value, ``--repeat`` rounds alternated. Prints the step's seconds summed over the chunks (median), the ratio to the unchunked
          parse (target <= 1.2x), and checks that the chunks' rows together are exactly the unchunked rows.
   client ``generations.run.run_generation`` (client + shards + live monitor, as ``generations`` runs it) from a
          ``PromptsFile`` at 1,024 requests in flight against the same stub: requests/s, client and stub CPU per
@@ -37,7 +37,7 @@ Four modes, all on synthetic ShareGPT-like data with the real Qwen3 tokenizer
 Usage: ``.venv/bin/python bench/bench_scale.py micro [--rows 20000]``
        ``.venv/bin/python bench/bench_scale.py qc --conversations 10000 100000 [--baseline /tmp/base]``
        ``.venv/bin/python bench/bench_scale.py job --conversations 10000 100000 [--baseline /tmp/base] [--chunks K]``
-       ``.venv/bin/python bench/bench_scale.py raw --conversations 100000 --chunks 4 16``
+       ``.venv/bin/python bench/bench_scale.py raw --conversations 100000 --chunks 4 16 [--repeat 3] [--instance-yaml F]``
        ``.venv/bin/python bench/bench_scale.py client [--requests 20000] [--concurrency 1024] [--baseline /tmp/base]``
 
 Numbers depend on the machine's load: micro prints this process's run-queue wait (``bench/schedstat.py``), job and
@@ -335,16 +335,17 @@ def start_shaped_stub(concurrency: int) -> tuple[subprocess.Popen, str]:
     return proc, line[len(READY_PREFIX):].strip()
 
 
-def _step_seconds(home: Path, runs: int = 1) -> dict[str, float]:
+def _step_seconds(home: Path, runs: int = 1, run_ids: list[str] | None = None) -> dict[str, float]:
     """Seconds per step (STEP_START to STEP_SUCCESS / STEP_FAILURE), summed over the latest ``runs`` partition_job
-    runs in the instance at ``home`` (one per chunk of a chunked dataset)."""
+    runs in the instance at ``home`` (one per chunk of a chunked dataset), or over the runs ``run_ids``."""
     import dagster as dg
 
     out: dict[str, float] = {}
     with dg.DagsterInstance.from_config(str(home)) as instance:
-        for run in instance.get_runs(dg.RunsFilter(job_name="partition_job"), limit=runs):
+        ids = run_ids or [run.run_id for run in instance.get_runs(dg.RunsFilter(job_name="partition_job"), limit=runs)]
+        for run_id in ids:
             start = {}
-            for rec in instance.all_logs(run.run_id):
+            for rec in instance.all_logs(run_id):
                 ev = rec.dagster_event
                 if ev is None or ev.step_key is None:
                     continue
@@ -429,52 +430,79 @@ with dg.DagsterInstance.from_config(home) as instance:
                                         asset_selection=[dg.AssetKey("raw_prompts")])
         if not result.success:
             sys.exit(f"raw_prompts failed on {key}")
+        print(result.run_id)
 """
 
 
-def raw_stage(sizes: list[int], chunk_counts: list[int]) -> int:
-    """``raw_prompts`` alone per size: unchunked, then as K chunks for each K; seconds of the step (Dagster's step
-    events) summed over the chunks, the ratio to the unchunked run, and the rows of the chunks together against the
-    unchunked rows (sorted by sample id; equal as sets and byte for byte per row)."""
+def raw_stage(sizes: list[int], chunk_counts: list[int], instance_yaml: Path | None = None, repeat: int = 3) -> int:
+    """``raw_prompts`` alone per size: unchunked, then as K chunks for each K, ``repeat`` rounds with the layouts
+    alternated (a shared 2-core VM drifts by 10-20% between runs); per layout the median over the rounds of the
+    step's seconds (Dagster's step events) summed over the chunks, its ratio to the unchunked median, the first
+    chunk's step (the one that parses) and the median step of the others, and the rows of the chunks together
+    against the unchunked rows (sorted by sample id, equal per row). ``instance_yaml``: the ``dagster.yaml`` of the
+    instance the runs record into (default: sqlite files in a temporary DAGSTER_HOME; a Postgres ``storage`` is
+    what a deployment uses, see docs/scaling.md)."""
+    import statistics
+
     from eagle_assets.catalog import chunk_keys
 
-    print(f"load average {open('/proc/loadavg').read().split()[0]} on {os.cpu_count()} CPUs", flush=True)
+    print(f"load average {open('/proc/loadavg').read().split()[0]} on {os.cpu_count()} CPUs; {repeat} rounds",
+          flush=True)
     ok = True
-    print("| conversations | chunks | raw_prompts s (summed) | ratio to unchunked | child wall s | rows | same rows |\n"
-          "|---|---|---|---|---|---|---|")
     for n in sizes:
         tmp = Path(tempfile.mkdtemp(prefix=f"bench_raw_{n}_"))
         write_sharegpt(tmp / "sharegpt.jsonl", n)
+        layouts = [1, *chunk_counts]
+        sums: dict[int, list[float]] = {k: [] for k in layouts}
+        steps: dict[int, list[list[float]]] = {k: [] for k in layouts}
+        walls: dict[int, list[float]] = {k: [] for k in layouts}
+        same: dict[int, bool] = {}
         base_rows = None
-        base_s = None
-        for k in [1, *chunk_counts]:
-            run = tmp / f"k{k}"
-            home, store = run / "dagster_home", run / "store"
-            home.mkdir(parents=True)
-            (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-            catalog = {"target": {"model": str(QWEN)}, "server": {"url": "http://127.0.0.1:9"},
-                       "partitions": {"S_sharegpt": {
-                           "sources": [{"path": str(tmp / "sharegpt.jsonl"), "format": "sharegpt"}],
-                           "prompt_policy": "last_user", "sampling": {"max_new_tokens": CAP},
-                           "max_prompt_tokens": 4096, "seed": 0, **({"chunks": k} if k > 1 else {})}}}
-            (run / "bench.yaml").write_text(json.dumps(catalog))
-            t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-c", RAW_CHILD, str(run / "bench.yaml"), str(store), str(home)],
-                                  env=dict(os.environ, DAGSTER_HOME=str(home)), capture_output=True, text=True)
-            wall = time.perf_counter() - t0
-            if proc.returncode:
-                print(proc.stdout[-2000:], proc.stderr[-4000:])
-                return 1
-            seconds = _step_seconds(home, k).get("raw_prompts", float("nan"))
-            keys = ["S_sharegpt"] if k == 1 else chunk_keys("S_sharegpt", k)
-            tables = [pq.read_table(store / "bench" / "raw_prompts" / key / "prompts.parquet") for key in keys]
-            rows = pa.concat_tables(tables).sort_by("sample_id")
-            if base_rows is None:
-                base_rows, base_s = rows, seconds
-            same = rows.equals(base_rows)
-            ok &= same and (k == 1 or seconds <= 1.2 * base_s)
-            print(f"| {n:,} | {k} | {seconds:.1f} | {seconds / base_s:.2f}x | {wall:.1f} | {rows.num_rows:,} | "
-                  f"{same} |", flush=True)
+        for rnd in range(repeat):
+            for k in layouts:
+                run = tmp / f"r{rnd}-k{k}"
+                home, store = run / "dagster_home", run / "store"
+                home.mkdir(parents=True)
+                (home / "dagster.yaml").write_text(instance_yaml.read_text() if instance_yaml is not None
+                                                   else "telemetry:\n  enabled: false\n")
+                catalog = {"target": {"model": str(QWEN)}, "server": {"url": "http://127.0.0.1:9"},
+                           "partitions": {"S_sharegpt": {
+                               "sources": [{"path": str(tmp / "sharegpt.jsonl"), "format": "sharegpt"}],
+                               "prompt_policy": "last_user", "sampling": {"max_new_tokens": CAP},
+                               "max_prompt_tokens": 4096, "seed": 0, **({"chunks": k} if k > 1 else {})}}}
+                (run / "bench.yaml").write_text(json.dumps(catalog))
+                t0 = time.perf_counter()
+                proc = subprocess.run([sys.executable, "-c", RAW_CHILD, str(run / "bench.yaml"), str(store),
+                                       str(home)], env=dict(os.environ, DAGSTER_HOME=str(home)), capture_output=True,
+                                      text=True)
+                walls[k].append(time.perf_counter() - t0)
+                if proc.returncode:
+                    print(proc.stdout[-2000:], proc.stderr[-4000:])
+                    return 1
+                run_ids = [w for w in proc.stdout.split() if len(w) == 36 and w.count("-") == 4]  # in chunk order
+                per_run = [_step_seconds(home, run_ids=[r]).get("raw_prompts", float("nan")) for r in run_ids]
+                steps[k].append(per_run)
+                sums[k].append(sum(per_run))
+                keys = ["S_sharegpt"] if k == 1 else chunk_keys("S_sharegpt", k)
+                tables = [pq.read_table(store / "bench" / "raw_prompts" / key / "prompts.parquet") for key in keys]
+                rows = pa.concat_tables(tables).sort_by("sample_id")
+                if base_rows is None:
+                    base_rows = rows
+                same[k] = same.get(k, True) and rows.equals(base_rows)
+                import shutil
+
+                shutil.rmtree(run, ignore_errors=True)
+        base = statistics.median(sums[1])
+        print(f"\n{n:,} conversations ({base_rows.num_rows:,} rows)\n| chunks | raw_prompts s summed (median) | ratio "
+              "to unchunked | every round | first chunk s (parses) | other chunks s each (median) | child wall s "
+              "(median) | same rows |\n|---|---|---|---|---|---|---|---|")
+        for k in layouts:
+            med = statistics.median(sums[k])
+            first = statistics.median(r[0] for r in steps[k])
+            others = statistics.median(x for r in steps[k] for x in r[1:]) if k > 1 else float("nan")
+            ok &= same[k] and (k == 1 or med <= 1.2 * base)
+            print(f"| {k} | {med:.2f} | {med / base:.2f}x | {', '.join(f'{x:.2f}' for x in sums[k])} | {first:.2f} | "
+                  f"{others:.3f} | {statistics.median(walls[k]):.1f} | {same[k]} |", flush=True)
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
@@ -658,6 +686,9 @@ def main() -> int:
     r = sub.add_parser("raw", help="raw_prompts alone, unchunked and in K chunks")
     r.add_argument("--conversations", type=int, nargs="+", default=[100_000])
     r.add_argument("--chunks", type=int, nargs="+", default=[4, 16])
+    r.add_argument("--repeat", type=int, default=3, help="rounds, the layouts alternated; medians reported")
+    r.add_argument("--instance-yaml", type=Path, default=None,
+                   help="dagster.yaml of the instance the runs record into (e.g. Postgres storage); default sqlite")
     c = sub.add_parser("client", help="run_generation at many requests in flight against the zero-latency stub")
     c.add_argument("--requests", type=int, default=20_000)
     c.add_argument("--concurrency", type=int, default=1024)
@@ -675,7 +706,7 @@ def main() -> int:
             return client_compare(args.requests, args.concurrency, args.baseline)
         return client_stage(args.requests, args.concurrency)
     if args.cmd == "raw":
-        return raw_stage(args.conversations, args.chunks)
+        return raw_stage(args.conversations, args.chunks, args.instance_yaml, args.repeat)
     if args.cmd == "job":
         return job_stage(args.conversations, args.concurrency, args.keep, args.baseline, args.baseline_max,
                          args.chunks)

@@ -142,7 +142,7 @@ def test_a_killed_build_is_not_a_parse_and_a_missing_source_is_the_format_error_
     key = rpp.dataset_parse_key("D", sources, "last_user", [rpp._file_sha256(src)], seed=0, limit=None, chunks=2)
     left = tmp_path / "parse" / ".build-killed"
     left.mkdir(parents=True)
-    (left / "chunk-00000.parquet").write_bytes(b"half")
+    (left / "chunk-00000.arrow").write_bytes(b"half")
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt  # the run dies mid-build: nothing is renamed into place

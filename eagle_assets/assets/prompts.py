@@ -50,11 +50,12 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         spec = settings.catalog().partition(key)
         out = settings.layout().stage_dir("raw_prompts", key)
         sources = spec.resolved_sources()
-        for path, fmt in sources:
-            context.log.info(f"reading {path} as {fmt}")
+        chunk = (spec.chunk, spec.chunks) if spec.chunk is not None else None
+        if chunk is None:  # a chunk says after the pass whether it read the sources (one log event per chunk run)
+            for path, fmt in sources:
+                context.log.info(f"reading {path} as {fmt}")
         # one streaming pass (raw_prompts.write): compact duplicate ids, a bounded sample selection, row groups
         # written as they come, so memory does not grow with the partition
-        chunk = (spec.chunk, spec.chunks) if spec.chunk is not None else None
         # a chunk: the dataset's sources are parsed once, by the first of its chunks' runs to need them, into a
         # directory its chunks share (<catalog>/raw_prompts_by_dataset/<dataset>/); each chunk reads its own rows
         parse_dir = settings.layout().stage_dir(PARSE_STAGE, spec.dataset) if chunk is not None else None
@@ -66,8 +67,9 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         if chunk is not None:
             context.log.info(f"chunk {spec.chunk} of {spec.chunks} of dataset {spec.dataset}: {rows} of its rows"
                              + ("" if spec.chunk == 0 else "; its rejects are recorded by chunk 0")
-                             + (f"; this run parsed the dataset's sources for all its chunks into {parse_dir}"
-                                if result.parsed else f"; read from the dataset's parse in {parse_dir}"))
+                             + (f"; this run parsed the dataset's sources "
+                                f"({', '.join(f'{path} as {fmt}' for path, fmt in sources)}) for all its chunks "
+                                f"into {parse_dir}" if result.parsed else f"; read from the dataset's parse in {parse_dir}"))
         if rows:
             availability = f"{rows} prompts ({available} available, {rejected} records rejected)"
         elif chunk is not None and available:

@@ -351,7 +351,7 @@ def write_raw_prompts(
 
 # --- a chunked dataset, parsed once for all its chunks --------------------------------------------------------------
 
-DATASET_CACHE_FORMAT = "1"  # bump when the files of a dataset's parse change meaning
+DATASET_CACHE_FORMAT = "2"  # bump when the files of a dataset's parse change meaning (2: Arrow IPC chunk files)
 MAX_OPEN_CHUNK_FILES = 64  # chunk files one pass over the sampled rows writes at once (more chunks: more passes)
 CHUNK_BUFFER_ROWS = ROW_GROUP_ROWS  # rows held over all open chunk files before every buffer is flushed
 _LOCK_FILE = ".lock"
@@ -422,15 +422,16 @@ def dataset_parse_key(partition_key: str, sources: list[tuple[Path, str]], polic
 
 
 class _ChunkFiles:
-    """Sampled rows in output order in, one lz4 Parquet file per chunk ``lo`` .. ``hi - 1`` out
-    (``chunk-NNNNN.parquet`` under ``directory``, ``RAW_SCHEMA``, in the order received); rows of other chunks are
+    """Sampled rows in output order in, one Arrow IPC file per chunk ``lo`` .. ``hi - 1`` out (``chunk-NNNNN.arrow``
+    under ``directory``, ``RAW_SCHEMA``, uncompressed: each chunk's run reads its file once, and the IPC format costs
+    a copy where Parquet costs an encode and a decode); rows of other chunks are
     skipped. At most ``CHUNK_BUFFER_ROWS`` rows wait over all chunks (a chunk's buffer is written as a row group when
     it reaches ``SPILL_ROWS`` rows, every buffer when the total does), and ``hi - lo`` files are open at once."""
 
     def __init__(self, directory: Path, lo: int, hi: int, chunks: int):
         self.directory, self.lo, self.hi, self.chunks = directory, lo, hi, chunks
         self.rows = [0] * (hi - lo)
-        self._writers: dict[int, pq.ParquetWriter] = {}
+        self._writers: dict[int, pa.ipc.RecordBatchFileWriter] = {}
         self._parts: dict[int, list[pa.Table]] = {c: [] for c in range(lo, hi)}
         self._held = [0] * (hi - lo)
         self._total = 0
@@ -467,8 +468,7 @@ class _ChunkFiles:
         table = pa.concat_tables(self._parts[c]).combine_chunks()
         writer = self._writers.get(c)
         if writer is None:
-            writer = self._writers[c] = pq.ParquetWriter(self.directory / f"chunk-{c:05d}.parquet", RAW_SCHEMA,
-                                                         compression="lz4")
+            writer = self._writers[c] = pa.ipc.new_file(str(self.directory / f"chunk-{c:05d}.arrow"), RAW_SCHEMA)
         writer.write_table(table)
         self.rows[c - self.lo] += table.num_rows
         self._total -= self._held[c - self.lo]
@@ -484,7 +484,7 @@ class _ChunkFiles:
 def _build_dataset_parse(partition_key: str, sources: list[tuple[Path, str]], policy: str, cache: Path, name: str,
                          *, seed: int, limit: int | None, chunks: int) -> None:
     """Parse the dataset once into ``cache/name/`` (the caller holds the cache's lock exclusively): the sampled
-    rows of chunk ``c`` in ``chunk-NNNNN.parquet`` (lz4; absent for an empty chunk), every reject in
+    rows of chunk ``c`` in ``chunk-NNNNN.arrow`` (Arrow IPC; absent for an empty chunk), every reject in
     ``rejects.parquet`` (the bytes an unchunked pass writes), and ``summary.json`` (``available``, ``rejected``,
     ``reasons``, ``rows_by_chunk``, the key's ``facts``). Built in a temporary directory renamed into place, so
     ``cache/name/`` exists only complete; parses of other keys (stale) and builds left by killed runs are removed."""
@@ -537,11 +537,12 @@ def _write_chunk_from_parse(parse: Path, out_dir: Path, chunk: tuple[int, int], 
     rejects: _RowGroupWriter | None = None
     copied: str | None = None
     try:
-        part = parse / f"chunk-{index:05d}.parquet"
+        part = parse / f"chunk-{index:05d}.arrow"
         if part.exists():
-            with pq.ParquetFile(part) as rows:
-                for batch in rows.iter_batches(batch_size=SPILL_ROWS):
-                    prompts.write(pa.Table.from_batches([batch], schema=RAW_SCHEMA))
+            with pa.memory_map(str(part)) as source:
+                reader = pa.ipc.open_file(source)
+                for i in range(reader.num_record_batches):
+                    prompts.write(pa.Table.from_batches([reader.get_batch(i)], schema=RAW_SCHEMA))
         if index == 0:  # the dataset's rejects: the parse's file as it is
             fd, copied = tempfile.mkstemp(prefix=".rejects.parquet.", suffix=".tmp", dir=out_dir)
             os.close(fd)
