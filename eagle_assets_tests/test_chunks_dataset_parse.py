@@ -1,6 +1,6 @@
 """A chunked dataset's sources are parsed once for all its chunks (issue 27 item 2).
 
-``raw_prompts.write.dataset_chunk_rows`` (what the ``raw_prompts`` asset runs for a chunk): the first chunk run to
+``raw_prompts.dataset_parse.dataset_chunk_rows`` (what the ``raw_prompts`` asset runs for a chunk): the first chunk run to
 need it parses the dataset into a parse directory shared by the chunks, the others read their own rows from it.
 Checked against the full pass of every chunk (``write_raw_prompts`` without a cache, which reads and parses the whole
 sources): the same bytes in ``prompts.parquet`` and ``rejects.parquet`` and the same summary, for every chunk, with
@@ -23,9 +23,11 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+import eagle_assets.raw_prompts.dataset_parse as dp
 import eagle_assets.raw_prompts.write as rpp
 from eagle_assets.formats import FormatError
-from eagle_assets.raw_prompts.write import chunk_of, dataset_chunk_rows, write_raw_prompts
+from eagle_assets.raw_prompts.dataset_parse import dataset_chunk_rows
+from eagle_assets.raw_prompts.write import chunk_of, write_raw_prompts
 
 FILES = ("prompts.parquet", "rejects.parquet")
 _ITER_PROMPT_ROWS = rpp.iter_prompt_rows  # the real pass over the sources, whatever a test counts
@@ -75,7 +77,7 @@ class _CountParses:
 def test_every_chunk_is_the_full_pass_byte_for_byte_and_only_the_first_parses(tmp_path, monkeypatch, limit,
                                                                               listed_twice):
     monkeypatch.setattr(rpp, "ROW_GROUP_ROWS", 16)  # several row groups per chunk
-    monkeypatch.setattr(rpp, "MAX_OPEN_CHUNK_FILES", 2)  # 5 chunks: three passes over the sampled rows
+    monkeypatch.setattr(dp, "MAX_OPEN_CHUNK_FILES", 2)  # 5 chunks: three passes over the sampled rows
     src = _source(tmp_path / "src.jsonl", 200)
     other = _source(tmp_path / "a.jsonl", 30, start=500)  # sorts before src.jsonl: rows are written file by file
     sources = [(src, "auto"), (other, "auto")] + ([(src, "auto")] if listed_twice else [])
@@ -97,7 +99,7 @@ def test_every_chunk_is_the_full_pass_byte_for_byte_and_only_the_first_parses(tm
     # the rejects once: chunk 0 holds the unchunked file
     assert (tmp_path / "c0" / "rejects.parquet").read_bytes() == (tmp_path / "whole" / "rejects.parquet").read_bytes()
     assert [d.name for d in (tmp_path / "parse").iterdir() if d.is_dir()] == [
-        rpp.dataset_parse_key("D", sources, "last_user", [rpp._file_sha256(p) for p, _ in sources], seed=3,
+        dp.dataset_parse_key("D", sources, "last_user", [dp._file_sha256(p) for p, _ in sources], seed=3,
                               limit=limit, chunks=5)]
 
 
@@ -139,7 +141,7 @@ def test_a_changed_chunk_count_is_another_parse_and_rows_keep_their_chunk_when_r
 def test_a_killed_build_is_not_a_parse_and_a_missing_source_is_the_format_error_it_was(tmp_path, monkeypatch):
     src = _source(tmp_path / "src.jsonl", 60)
     sources = [(src, "auto")]
-    key = rpp.dataset_parse_key("D", sources, "last_user", [rpp._file_sha256(src)], seed=0, limit=None, chunks=2)
+    key = dp.dataset_parse_key("D", sources, "last_user", [dp._file_sha256(src)], seed=0, limit=None, chunks=2)
     left = tmp_path / "parse" / ".build-killed"
     left.mkdir(parents=True)
     (left / "chunk-00000.arrow").write_bytes(b"half")
@@ -147,7 +149,7 @@ def test_a_killed_build_is_not_a_parse_and_a_missing_source_is_the_format_error_
     def killed(*args, **kwargs):
         raise KeyboardInterrupt  # the run dies mid-build: nothing is renamed into place
 
-    monkeypatch.setattr(rpp, "_emit_in_order", killed)
+    monkeypatch.setattr(dp, "emit_in_order", killed)
     with pytest.raises(KeyboardInterrupt):
         dataset_chunk_rows("D", sources, "last_user", tmp_path / "c1", tmp_path / "parse", (1, 2))
     assert not (tmp_path / "parse" / key).exists() and not (tmp_path / "c1" / "prompts.parquet").exists()

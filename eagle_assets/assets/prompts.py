@@ -8,6 +8,7 @@ import dagster as dg
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.versions import directory_content_version
 from eagle_assets.raw_prompts.rows import RAW_SCHEMA, REJECT_SCHEMA  # noqa: F401
+from eagle_assets.raw_prompts.dataset_parse import dataset_chunk_rows
 from eagle_assets.raw_prompts.write import write_raw_prompts
 from eagle_assets.tokenized_prompts.write import TOKENIZED_SCHEMA, tokenize_partition  # noqa: F401
 
@@ -45,7 +46,7 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         """Normalized conversations of one dataset partition; every malformed record goes to rejects.parquet with a
         reason (one bad record, whatever it holds, costs only itself); an empty source gives zero rows. A chunk of a
         dataset keeps the dataset's rows that fall in it (``raw_prompts.write``: its rejects are all in chunk 0); the
-        dataset's sources are parsed once for all its chunks (``raw_prompts.write.dataset_chunk_rows``)."""
+        dataset's sources are parsed once for all its chunks (``raw_prompts.dataset_parse.dataset_chunk_rows``)."""
         key = context.partition_key
         spec = settings.catalog().partition(key)
         out = settings.layout().stage_dir("raw_prompts", key)
@@ -59,8 +60,12 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         # a chunk: the dataset's sources are parsed once, by the first of its chunks' runs to need them, into a
         # directory its chunks share (<catalog>/raw_prompts_by_dataset/<dataset>/); each chunk reads its own rows
         parse_dir = settings.layout().stage_dir(PARSE_STAGE, spec.dataset) if chunk is not None else None
-        result = write_raw_prompts(spec.dataset, sources, spec.prompt_policy, out, seed=spec.seed, limit=spec.limit,
-                                   chunk=chunk, dataset_cache=parse_dir)
+        if chunk is None:
+            result = write_raw_prompts(spec.dataset, sources, spec.prompt_policy, out, seed=spec.seed,
+                                       limit=spec.limit)
+        else:
+            result = dataset_chunk_rows(spec.dataset, sources, spec.prompt_policy, out, parse_dir, chunk,
+                                        seed=spec.seed, limit=spec.limit)
         rows, available, rejected, reasons = result.rows, result.available, result.rejected, result.reasons
         if rejected:
             context.log.warning(f"{rejected} records rejected ({dict(reasons.most_common())}); see {out / 'rejects.parquet'}")
