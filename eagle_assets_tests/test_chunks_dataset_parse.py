@@ -182,6 +182,10 @@ def test_chunks_run_at_once_in_processes_parse_once_and_write_the_full_pass_file
                                                           i, chunks, start) for i in reversed(range(chunks))])
             start.set()
             results = pending.get(300)
+            # close + join: each worker takes its sentinel and exits; the with block's terminate() alone relies on
+            # SIGTERM, which a worker started where that signal is ignored never gets (the pool's join then hangs)
+            pool.close()
+            pool.join()
     assert sorted(i for i, _ in results) == list(range(chunks))
     assert sum(parsed for _, parsed in results) == 1, f"parsed by more than one chunk: {results}"
     for i in range(chunks):

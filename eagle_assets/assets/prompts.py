@@ -69,12 +69,14 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         rows, available, rejected, reasons = result.rows, result.available, result.rejected, result.reasons
         if rejected:
             context.log.warning(f"{rejected} records rejected ({dict(reasons.most_common())}); see {out / 'rejects.parquet'}")
-        if chunk is not None:
+        if chunk is not None and result.parsed:
+            # the other chunks read their rows from this parse; their materializations say so in metadata
+            # (``parsed_sources``, ``dataset_parse``) instead of a log event per chunk run
             context.log.info(f"chunk {spec.chunk} of {spec.chunks} of dataset {spec.dataset}: {rows} of its rows"
                              + ("" if spec.chunk == 0 else "; its rejects are recorded by chunk 0")
-                             + (f"; this run parsed the dataset's sources "
-                                f"({', '.join(f'{path} as {fmt}' for path, fmt in sources)}) for all its chunks "
-                                f"into {parse_dir}" if result.parsed else f"; read from the dataset's parse in {parse_dir}"))
+                             + f"; this run parsed the dataset's sources "
+                               f"({', '.join(f'{path} as {fmt}' for path, fmt in sources)}) for all its chunks "
+                               f"into {parse_dir}")
         if rows:
             availability = f"{rows} prompts ({available} available, {rejected} records rejected)"
         elif chunk is not None and available:
@@ -98,7 +100,8 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
                 "reject_reasons": _reason_table(reasons),
                 "sources": dg.MetadataValue.json([str(p) for p, _ in sources]),
                 "path": dg.MetadataValue.path(str(out)),
-                **({"parsed_sources": result.parsed} if chunk is not None else {}),
+                **({"parsed_sources": result.parsed, "dataset_parse": dg.MetadataValue.path(str(parse_dir))}
+                   if chunk is not None else {}),
             }
         )
         yield dg.AssetCheckResult(
