@@ -52,7 +52,7 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         out = settings.layout().stage_dir("raw_prompts", key)
         sources = spec.resolved_sources()
         chunk = (spec.chunk, spec.chunks) if spec.chunk is not None else None
-        if chunk is None:  # a chunk says after the pass whether it read the sources (one log event per chunk run)
+        if chunk is None:  # a chunk logs the sources only when its run parses them (below)
             for path, fmt in sources:
                 context.log.info(f"reading {path} as {fmt}")
         # one streaming pass (raw_prompts.write): compact duplicate ids, a bounded sample selection, row groups
