@@ -335,16 +335,16 @@ def start_shaped_stub(concurrency: int) -> tuple[subprocess.Popen, str]:
     return proc, line[len(READY_PREFIX):].strip()
 
 
-def _step_seconds(home: Path, runs: int = 1, run_ids: list[str] | None = None) -> dict[str, float]:
-    """Seconds per step (STEP_START to STEP_SUCCESS / STEP_FAILURE), summed over the latest ``runs`` partition_job
-    runs in the instance at ``home`` (one per chunk of a chunked dataset), or over the runs ``run_ids``."""
+def _steps_by_run(home: Path, runs: int = 1, run_ids: list[str] | None = None) -> list[dict[str, float]]:
+    """Seconds per step (STEP_START to STEP_SUCCESS / STEP_FAILURE) of each run, in order: the runs ``run_ids``, or
+    the latest ``runs`` partition_job runs in the instance at ``home`` (one per chunk of a chunked dataset)."""
     import dagster as dg
 
-    out: dict[str, float] = {}
+    out: list[dict[str, float]] = []
     with dg.DagsterInstance.from_config(str(home)) as instance:
         ids = run_ids or [run.run_id for run in instance.get_runs(dg.RunsFilter(job_name="partition_job"), limit=runs)]
         for run_id in ids:
-            start = {}
+            start, seconds = {}, {}
             for rec in instance.all_logs(run_id):
                 ev = rec.dagster_event
                 if ev is None or ev.step_key is None:
@@ -352,7 +352,17 @@ def _step_seconds(home: Path, runs: int = 1, run_ids: list[str] | None = None) -
                 if ev.event_type_value == "STEP_START":
                     start[ev.step_key] = rec.timestamp
                 elif ev.event_type_value in ("STEP_SUCCESS", "STEP_FAILURE") and ev.step_key in start:
-                    out[ev.step_key] = out.get(ev.step_key, 0.0) + rec.timestamp - start[ev.step_key]
+                    seconds[ev.step_key] = seconds.get(ev.step_key, 0.0) + rec.timestamp - start[ev.step_key]
+            out.append(seconds)
+    return out
+
+
+def _step_seconds(home: Path, runs: int = 1) -> dict[str, float]:
+    """Seconds per step summed over the latest ``runs`` partition_job runs (:func:`_steps_by_run`)."""
+    out: dict[str, float] = {}
+    for seconds in _steps_by_run(home, runs):
+        for step, s in seconds.items():
+            out[step] = out.get(step, 0.0) + s
     return out
 
 
@@ -442,6 +452,7 @@ def raw_stage(sizes: list[int], chunk_counts: list[int], instance_yaml: Path | N
     against the unchunked rows (sorted by sample id, equal per row). ``instance_yaml``: the ``dagster.yaml`` of the
     instance the runs record into (default: sqlite files in a temporary DAGSTER_HOME; a Postgres ``storage`` is
     what a deployment uses, see docs/scaling.md)."""
+    import shutil
     import statistics
 
     from eagle_assets.catalog import chunk_keys
@@ -480,7 +491,7 @@ def raw_stage(sizes: list[int], chunk_counts: list[int], instance_yaml: Path | N
                     print(proc.stdout[-2000:], proc.stderr[-4000:])
                     return 1
                 run_ids = [w for w in proc.stdout.split() if len(w) == 36 and w.count("-") == 4]  # in chunk order
-                per_run = [_step_seconds(home, run_ids=[r]).get("raw_prompts", float("nan")) for r in run_ids]
+                per_run = [r.get("raw_prompts", float("nan")) for r in _steps_by_run(home, run_ids=run_ids)]
                 steps[k].append(per_run)
                 sums[k].append(sum(per_run))
                 keys = ["S_sharegpt"] if k == 1 else chunk_keys("S_sharegpt", k)
@@ -489,8 +500,6 @@ def raw_stage(sizes: list[int], chunk_counts: list[int], instance_yaml: Path | N
                 if base_rows is None:
                     base_rows = rows
                 same[k] = same.get(k, True) and rows.equals(base_rows)
-                import shutil
-
                 shutil.rmtree(run, ignore_errors=True)
         base = statistics.median(sums[1])
         print(f"\n{n:,} conversations ({base_rows.num_rows:,} rows)\n| chunks | raw_prompts s summed (median) | ratio "
@@ -503,8 +512,6 @@ def raw_stage(sizes: list[int], chunk_counts: list[int], instance_yaml: Path | N
             ok &= same[k] and (k == 1 or med <= 1.2 * base)
             print(f"| {k} | {med:.2f} | {med / base:.2f}x | {', '.join(f'{x:.2f}' for x in sums[k])} | {first:.2f} | "
                   f"{others:.3f} | {statistics.median(walls[k]):.1f} | {same[k]} |", flush=True)
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"\nwithin 1.2x of the unchunked parse with the same rows at every size and chunk count: "
           f"{'yes' if ok else 'NO'}")
