@@ -4,9 +4,10 @@
     eagle-assets build-target [--force]
     eagle-assets report [--catalog PATH]
 
-``--partitions`` takes dataset keys and chunk keys: a chunked dataset's key runs every one of its chunks, one run
-each, then ``dataset_job`` (its checks over all its chunks); a chunk key runs that chunk (``dataset_job`` follows
-once all of the dataset's chunks have QC rows). ``run`` executes the Dagster jobs in-process against the persistent instance in ``$DAGSTER_HOME`` (set to the repo
+``--partitions`` takes dataset keys and chunk keys: a chunked dataset's key runs its ``raw_prompts`` over all its
+chunks in one run (one parse, one step: ``assets.dataset_runs``), then every one of its chunks through the rest of
+``partition_job``, one run each, then ``dataset_job`` (its checks over all its chunks); a chunk key runs that chunk
+(``dataset_job`` follows once all of the dataset's chunks have QC rows). ``run`` executes the Dagster jobs in-process against the persistent instance in ``$DAGSTER_HOME`` (set to the repo
 root, where ``dagster.yaml`` lives, when unset), so every run shows in ``dagster dev`` afterwards.
 """
 
@@ -168,6 +169,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     catalog_path = Path(args.catalog or default_catalog_path()).resolve()
     try:  # importing definitions loads $EAGLE_ASSETS_CATALOG (its module-level defs) too
+        from eagle_assets.assets.dataset_runs import RAW_PROMPTS, run_raw_prompts_over_chunks
         from eagle_assets.definitions import DATASET_JOB, PARTITION_JOB, TRAINING_JOB, build_definitions
 
         defs = build_definitions(catalog_path)
@@ -197,10 +199,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
     t_all = time.monotonic()
     layout = Layout(Path(settings.storage_root), catalog_path.stem)
     with _partition_definitions(defs, catalog_path, catalog, prelaunch=_first_run(layout, keys)) as partition_defs:
+        job = partition_defs.resolve_job_def(PARTITION_JOB)
+        # a dataset run whole: its raw_prompts in one run over its chunk keys (assets.dataset_runs), so the chunks'
+        # runs below start from their rows; where that run fails, each chunk's run tries raw_prompts itself
+        prepared: set[str] = set()
+        without_raw = [k for k in job.asset_layer.selected_asset_keys if k != RAW_PROMPTS]
+        for dataset in catalog.chunked_datasets:
+            chunks = catalog.dataset_partition_keys(dataset)
+            if not set(chunks) <= set(keys):
+                continue
+            t0 = time.monotonic()
+            result = run_raw_prompts_over_chunks(job, instance, catalog, chunks)
+            status = "ok" if result.success else "FAILED (each chunk's run tries it again and reports why)"
+            print(f"dataset {dataset}: raw_prompts of its {len(chunks)} chunks in one run: {status} in "
+                  f"{time.monotonic() - t0:.1f} s (run {result.run_id})", flush=True)
+            if result.success:
+                prepared.update(chunks)
         for key in keys:
             t0 = time.monotonic()
-            result = partition_defs.resolve_job_def(PARTITION_JOB).execute_in_process(
-                partition_key=key, instance=instance, raise_on_error=False
+            result = job.execute_in_process(
+                partition_key=key, instance=instance, raise_on_error=False,
+                asset_selection=without_raw if key in prepared else None,
             )
             status = "ok" if result.success else "FAILED (see the check results / run logs)"
             print(f"partition {key}: {status} in {time.monotonic() - t0:.1f} s (run {result.run_id})", flush=True)

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -236,6 +238,20 @@ def runs(demo_target, tmp_path_factory):
         out["ticks"] = ticks
         out["dataset_run"] = chunked.resolve_job_def(DATASET_JOB).execute_in_process(
             partition_key="D", instance=instance, raise_on_error=False)
+        # the same dataset through the CLI, as a user runs it: raw_prompts over the chunk keys in one run, then the
+        # chunks' runs of the rest, then dataset_job (its own catalog name, so its own store and a fresh instance)
+        from eagle_assets.cli import main
+
+        home = root / "cli_home"
+        home.mkdir()
+        (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+        printed = io.StringIO()
+        with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+            mp.setenv("DAGSTER_HOME", str(home))
+            mp.delenv("EAGLE_ASSETS_CATALOG", raising=False)
+            mp.setenv("EAGLE_ASSETS_HOME", str(root / "store"))
+            out["cli"] = (main(["run", "--catalog", str(_pipeline_catalog(root, "cli", 3, target, running.url)),
+                                "--skip-training"]), printed.getvalue(), home)
         for name, defs in out["defs"].items():
             assets = [a for a in defs.assets if isinstance(a, dg.AssetsDefinition)]
             out[f"{name}_training"] = dg.materialize(
@@ -252,6 +268,37 @@ def test_the_chunks_run_as_partitions_and_dataset_qc_waits_for_all_of_them(runs)
     assert meta["chunks"].value == 3 and set(meta["rows_by_chunk"].value) == set(chunk_keys("D", 3))
     status = json.loads((runs["root"] / "store" / "chunked" / "dataset_qc" / "D" / "qc_status.json").read_text())
     assert status["passed"] and sum(status["rows_by_chunk"].values()) == status["rows"] > 0
+
+
+def test_the_cli_runs_a_chunked_datasets_raw_prompts_in_one_run_and_each_chunk_from_its_rows(runs):
+    """``eagle-assets run`` on a dataset in 3 chunks: one run writes every chunk's raw_prompts (one step, one
+    parse), each chunk's run does the rest without a raw_prompts step, dataset_job passes, and every chunk's
+    raw_prompts and tokenized_prompts files are the bytes of the chunk runs that did raw_prompts themselves."""
+    from eagle_assets.assets.versions import directory_content_version
+
+    rc, printed, home = runs["cli"]
+    assert rc == 0, printed[-3000:]
+    assert "dataset D: raw_prompts of its 3 chunks in one run: ok" in printed
+    assert "dataset D (3 chunks): ok" in printed
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        raw_steps = {}
+        for run in instance.get_runs(dg.RunsFilter(job_name="partition_job")):
+            starts = [r.dagster_event.step_key for r in instance.all_logs(run.run_id)
+                      if r.dagster_event is not None and r.dagster_event.event_type_value == "STEP_START"]
+            raw_steps[run.tags.get("dagster/partition") or (run.tags["dagster/asset_partition_range_start"],
+                                                            run.tags["dagster/asset_partition_range_end"])] = \
+                starts.count("raw_prompts")
+        assert raw_steps == {("D.c00", "D.c02"): 1, "D.c00": 0, "D.c01": 0, "D.c02": 0}
+        for key in chunk_keys("D", 3):  # each chunk's own data version: that of its files, as a run of it records
+            record = instance.get_latest_data_version_record(dg.AssetKey("raw_prompts"), partition_key=key)
+            assert record.asset_materialization.tags["dagster/data_version"] == directory_content_version(
+                runs["root"] / "store" / "cli" / "raw_prompts" / key, ("prompts.parquet", "rejects.parquet"))
+    store = runs["root"] / "store"
+    for key in chunk_keys("D", 3):
+        for stage in ("raw_prompts", "tokenized_prompts"):
+            for name in ("prompts.parquet", "rejects.parquet"):
+                assert (store / "cli" / stage / key / name).read_bytes() == \
+                    (store / "chunked" / stage / key / name).read_bytes(), (key, stage, name)
 
 
 def test_dataset_checks_over_the_chunks_equal_the_unchunked_checks(runs):

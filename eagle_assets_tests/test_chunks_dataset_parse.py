@@ -213,3 +213,72 @@ def test_the_asset_reads_the_chunks_from_one_parse_with_the_full_pass_data_versi
             write_raw_prompts("D", [(src, "auto")], "last_user", ref, chunk=(index, 3))
             assert mat.tags["dagster/data_version"] == directory_content_version(ref, FILES)
     assert (tmp_path / "store" / "cat" / PARSE_STAGE / "D").is_dir()
+
+
+def _chunk_runs_tags(instance, keys) -> dict[str, dict[str, str]]:
+    out = {}
+    for key in keys:
+        record = instance.get_latest_data_version_record(dg.AssetKey("raw_prompts"), partition_key=key)
+        out[key] = dict(record.asset_materialization.tags)
+    return out
+
+
+def test_one_run_over_the_chunk_keys_writes_each_chunk_as_its_own_run_would(tmp_path, monkeypatch):
+    """``assets.dataset_runs.run_raw_prompts_over_chunks`` (what ``eagle-assets run`` does for a chunked dataset):
+    one run, one ``raw_prompts`` step, one parse; per chunk the files, the data version and the provenance tags
+    that a run of that chunk alone records, each chunk's own metadata, and ``dagster/data_version`` tags that differ
+    between chunks (Dagster alone would give the range one version). A range that is not consecutive is refused."""
+    from eagle_assets.assets.dataset_runs import run_raw_prompts_over_chunks
+    from eagle_assets.assets.inputs import PARTITION_INPUTS, SOURCE_FILES
+    from eagle_assets.definitions import PARTITION_JOB, build_definitions
+
+    src = _source(tmp_path / "src.jsonl", 120)
+    catalogs = {}
+    for name in ("ranged", "single"):
+        catalogs[name] = tmp_path / f"{name}.yaml"
+        catalogs[name].write_text(yaml.safe_dump({"partitions": {
+            "A": {"sources": [{"path": str(src), "format": "auto"}], "sampling": {"max_new_tokens": 8}},
+            "D": {"sources": [{"path": str(src), "format": "auto"}], "sampling": {"max_new_tokens": 8}, "chunks": 4,
+                  "limit": 100}}}))
+    keys = [f"D.c{i:02d}" for i in range(4)]
+    tags = {}
+    with dg.DagsterInstance.ephemeral() as instance:
+        ranged = build_definitions(catalogs["ranged"], storage_root=tmp_path / "store")
+        catalog = ranged.resources["settings"].catalog()
+        job = ranged.resolve_job_def(PARTITION_JOB)
+        with pytest.raises(ValueError, match="not a consecutive range"):
+            run_raw_prompts_over_chunks(job, instance, catalog, [keys[0], keys[2]])
+        parses = _CountParses(monkeypatch)
+        result = run_raw_prompts_over_chunks(job, instance, catalog, keys)
+        assert result.success
+        assert parses.calls == 1
+        steps = [e.step_key for e in result.all_events if e.event_type_value == "STEP_START"]
+        assert steps == ["raw_prompts"]
+        mats = {m.partition: m for m in result.asset_materializations_for_node("raw_prompts")}
+        assert sorted(mats) == keys
+        assert [mats[k].metadata["parsed_sources"].value for k in keys] == [True, False, False, False]
+        assert sum(mats[k].metadata["dagster/row_count"].value for k in keys) == 100
+        check = [e.asset_check_evaluation_data for e in result.all_events
+                 if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+        assert len(check) == 1 and check[0].passed and check[0].metadata["prompts"].value == 100
+        tags["ranged"] = _chunk_runs_tags(instance, keys)
+        # each chunk's latest source_files observation is the one its materialization points at
+        for key in keys:
+            obs = instance.get_latest_data_version_record(dg.AssetKey(SOURCE_FILES), is_source=True, partition_key=key)
+            assert tags["ranged"][key][f"dagster/input_event_pointer/{SOURCE_FILES}"] == str(obs.storage_id)
+    with dg.DagsterInstance.ephemeral() as instance:
+        single = build_definitions(catalogs["single"], storage_root=tmp_path / "store")
+        job = single.resolve_job_def(PARTITION_JOB)
+        for key in keys:  # each chunk's run observes its inputs first, as partition_job does
+            assert job.execute_in_process(partition_key=key, instance=instance, asset_selection=[
+                *(dg.AssetKey(k) for k in PARTITION_INPUTS), dg.AssetKey("raw_prompts")]).success
+        tags["single"] = _chunk_runs_tags(instance, keys)
+    store = tmp_path / "store"
+    for key in keys:
+        for name in FILES:
+            assert (store / "ranged" / "raw_prompts" / key / name).read_bytes() == \
+                (store / "single" / "raw_prompts" / key / name).read_bytes(), (key, name)
+        pointer = f"dagster/input_event_pointer/{SOURCE_FILES}"
+        assert {k: v for k, v in tags["ranged"][key].items() if k != pointer} == \
+            {k: v for k, v in tags["single"][key].items() if k != pointer}, key
+    assert len({tags["ranged"][k]["dagster/data_version"] for k in keys}) == 4

@@ -2,9 +2,11 @@
 
 
 from collections import Counter
+from dataclasses import dataclass
 
 import dagster as dg
 
+from eagle_assets.assets.dataset_runs import materialization_tags
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.versions import directory_content_version
 from eagle_assets.raw_prompts.rows import RAW_SCHEMA, REJECT_SCHEMA  # noqa: F401
@@ -31,6 +33,81 @@ def _reason_table(counts: Counter) -> dg.MetadataValue:
     return dg.MetadataValue.md("| reason | rows |\n|---|---|\n" + (rows or "| (none) | 0 |"))
 
 
+@dataclass(frozen=True)
+class _PartitionDone:
+    """What ``raw_prompts`` wrote for one partition: its rows and rejected records, its data version (sha256 hex
+    over ``prompts.parquet`` and ``rejects.parquet``), its materialization metadata, and the ``prompts_available``
+    check's description."""
+
+    rows: int
+    rejected: int
+    data_version: str
+    metadata: dict
+    availability: str
+
+
+def _raw_prompts_partition(context: dg.AssetExecutionContext, settings: PipelineSettings, key: str) -> _PartitionDone:
+    """``raw_prompts`` of partition ``key``: its files written, what its materialization and check record."""
+    spec = settings.catalog().partition(key)
+    out = settings.layout().stage_dir("raw_prompts", key)
+    sources = spec.resolved_sources()
+    chunk = (spec.chunk, spec.chunks) if spec.chunk is not None else None
+    if chunk is None:  # a chunk logs the sources only when its run parses them (below)
+        for path, fmt in sources:
+            context.log.info(f"reading {path} as {fmt}")
+    # one streaming pass (raw_prompts.write): compact duplicate ids, a bounded sample selection, row groups
+    # written as they come, so memory does not grow with the partition
+    # a chunk: the dataset's sources are parsed once, by the first run of its chunks to need them, into a
+    # directory its chunks share (<catalog>/raw_prompts_by_dataset/<dataset>/); each chunk reads its own rows
+    parse_dir = settings.layout().stage_dir(PARSE_STAGE, spec.dataset) if chunk is not None else None
+    if chunk is None:
+        result = write_raw_prompts(spec.dataset, sources, spec.prompt_policy, out, seed=spec.seed,
+                                   limit=spec.limit)
+    else:
+        result = dataset_chunk_rows(spec.dataset, sources, spec.prompt_policy, out, parse_dir, chunk,
+                                    seed=spec.seed, limit=spec.limit)
+    rows, available, rejected, reasons = result.rows, result.available, result.rejected, result.reasons
+    if rejected:
+        context.log.warning(f"{rejected} records rejected ({dict(reasons.most_common())}); see {out / 'rejects.parquet'}")
+    if chunk is not None and result.parsed:
+        # the other chunks read their rows from this parse; their materializations say so in metadata
+        # (``parsed_sources``, ``dataset_parse``) instead of a log event per chunk run
+        context.log.info(f"chunk {spec.chunk} of {spec.chunks} of dataset {spec.dataset}: {rows} of its rows"
+                         + ("" if spec.chunk == 0 else "; its rejects are recorded by chunk 0")
+                         + f"; this run parsed the dataset's sources "
+                           f"({', '.join(f'{path} as {fmt}' for path, fmt in sources)}) for all its chunks "
+                           f"into {parse_dir}")
+    if rows:
+        availability = f"{rows} prompts ({available} available, {rejected} records rejected)"
+    elif chunk is not None and available:
+        availability = (f"chunk {key} is empty: none of the rows of dataset {spec.dataset} ({available} "
+                        f"available{f', a sample of {spec.limit}' if spec.limit else ''}) falls in chunk "
+                        f"{spec.chunk} of {spec.chunks}; give the dataset fewer chunks")
+    elif rejected:
+        availability = (f"partition {key} is empty: all {rejected} records of its sources were rejected "
+                        f"({dict(reasons.most_common(5))}); see {out / 'rejects.parquet'} for each reason")
+    else:
+        availability = f"partition {key} is empty: its sources hold no records ({[str(p) for p, _ in sources]})"
+    if not rows:
+        context.log.warning(availability + "; zero rows flow on to tokenized_prompts, generations and qc_shards")
+    return _PartitionDone(
+        rows=rows, rejected=rejected,
+        data_version=directory_content_version(out, ("prompts.parquet", "rejects.parquet")),
+        metadata={
+            "dagster/row_count": rows,
+            "available_records": available,
+            "rejected": rejected,
+            "empty": not rows,
+            "reject_reasons": _reason_table(reasons),
+            "sources": dg.MetadataValue.json([str(p) for p, _ in sources]),
+            "path": dg.MetadataValue.path(str(out)),
+            **({"parsed_sources": result.parsed, "dataset_parse": dg.MetadataValue.path(str(parse_dir))}
+               if chunk is not None else {}),
+        },
+        availability=availability,
+    )
+
+
 def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDefinition]:
     """``raw_prompts`` and ``tokenized_prompts`` over ``partitions_def`` (one partition per catalog dataset)."""
 
@@ -38,6 +115,9 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         partitions_def=partitions_def,
         group_name="prompts",
         kinds={"parquet"},
+        # a run over a range of keys (assets.dataset_runs) reports each key's materialization itself, so the output
+        # is not required; a run of one key yields it as every run did before
+        output_required=False,
         check_specs=[dg.AssetCheckSpec(
             "prompts_available", asset="raw_prompts", blocking=False,
             description="the partition has prompts to generate from (an empty partition flows on with zero rows)")],
@@ -46,69 +126,36 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         """Normalized conversations of one dataset partition; every malformed record goes to rejects.parquet with a
         reason (one bad record, whatever it holds, costs only itself); an empty source gives zero rows. A chunk of a
         dataset keeps the dataset's rows that fall in it (``raw_prompts.write``: its rejects are all in chunk 0); the
-        dataset's sources are parsed once for all its chunks (``raw_prompts.dataset_parse.dataset_chunk_rows``)."""
-        key = context.partition_key
-        spec = settings.catalog().partition(key)
-        out = settings.layout().stage_dir("raw_prompts", key)
-        sources = spec.resolved_sources()
-        chunk = (spec.chunk, spec.chunks) if spec.chunk is not None else None
-        if chunk is None:  # a chunk logs the sources only when its run parses them (below)
-            for path, fmt in sources:
-                context.log.info(f"reading {path} as {fmt}")
-        # one streaming pass (raw_prompts.write): compact duplicate ids, a bounded sample selection, row groups
-        # written as they come, so memory does not grow with the partition
-        # a chunk: the dataset's sources are parsed once, by the first of its chunks' runs to need them, into a
-        # directory its chunks share (<catalog>/raw_prompts_by_dataset/<dataset>/); each chunk reads its own rows
-        parse_dir = settings.layout().stage_dir(PARSE_STAGE, spec.dataset) if chunk is not None else None
-        if chunk is None:
-            result = write_raw_prompts(spec.dataset, sources, spec.prompt_policy, out, seed=spec.seed,
-                                       limit=spec.limit)
-        else:
-            result = dataset_chunk_rows(spec.dataset, sources, spec.prompt_policy, out, parse_dir, chunk,
-                                        seed=spec.seed, limit=spec.limit)
-        rows, available, rejected, reasons = result.rows, result.available, result.rejected, result.reasons
-        if rejected:
-            context.log.warning(f"{rejected} records rejected ({dict(reasons.most_common())}); see {out / 'rejects.parquet'}")
-        if chunk is not None and result.parsed:
-            # the other chunks read their rows from this parse; their materializations say so in metadata
-            # (``parsed_sources``, ``dataset_parse``) instead of a log event per chunk run
-            context.log.info(f"chunk {spec.chunk} of {spec.chunks} of dataset {spec.dataset}: {rows} of its rows"
-                             + ("" if spec.chunk == 0 else "; its rejects are recorded by chunk 0")
-                             + f"; this run parsed the dataset's sources "
-                               f"({', '.join(f'{path} as {fmt}' for path, fmt in sources)}) for all its chunks "
-                               f"into {parse_dir}")
-        if rows:
-            availability = f"{rows} prompts ({available} available, {rejected} records rejected)"
-        elif chunk is not None and available:
-            availability = (f"chunk {key} is empty: none of the rows of dataset {spec.dataset} ({available} "
-                            f"available{f', a sample of {spec.limit}' if spec.limit else ''}) falls in chunk "
-                            f"{spec.chunk} of {spec.chunks}; give the dataset fewer chunks")
-        elif rejected:
-            availability = (f"partition {key} is empty: all {rejected} records of its sources were rejected "
-                            f"({dict(reasons.most_common(5))}); see {out / 'rejects.parquet'} for each reason")
-        else:
-            availability = f"partition {key} is empty: its sources hold no records ({[str(p) for p, _ in sources]})"
-        if not rows:
-            context.log.warning(availability + "; zero rows flow on to tokenized_prompts, generations and qc_shards")
-        yield dg.MaterializeResult(
-            data_version=dg.DataVersion(directory_content_version(out, ("prompts.parquet", "rejects.parquet"))),
-            metadata={
-                "dagster/row_count": rows,
-                "available_records": available,
-                "rejected": rejected,
-                "empty": not rows,
-                "reject_reasons": _reason_table(reasons),
-                "sources": dg.MetadataValue.json([str(p) for p, _ in sources]),
-                "path": dg.MetadataValue.path(str(out)),
-                **({"parsed_sources": result.parsed, "dataset_parse": dg.MetadataValue.path(str(parse_dir))}
-                   if chunk is not None else {}),
-            }
-        )
+        dataset's sources are parsed once for all its chunks (``raw_prompts.dataset_parse.dataset_chunk_rows``).
+        A run over a range of chunk keys (``eagle-assets run`` on a chunked dataset, ``assets.dataset_runs``)
+        writes every chunk in one step and records one materialization per chunk with its own data version."""
+        keys = context.partition_keys
+        if len(keys) == 1:
+            done = _raw_prompts_partition(context, settings, keys[0])
+            yield dg.MaterializeResult(data_version=dg.DataVersion(done.data_version), metadata=done.metadata)
+            yield dg.AssetCheckResult(
+                check_name="prompts_available", passed=bool(done.rows), severity=dg.AssetCheckSeverity.WARN,
+                description=done.availability, metadata={"prompts": done.rows, "rejected": done.rejected},
+            )
+            return
+        # Dagster gives every partition of a ranged run's output one data version (dagster-io/dagster#18649), so
+        # each chunk's materialization is reported here, with the tags the output would have had for that chunk
+        asset_key = dg.AssetKey("raw_prompts")
+        empty, rows, rejected = [], 0, 0
+        for key in keys:
+            done = _raw_prompts_partition(context, settings, key)
+            yield dg.AssetMaterialization(
+                asset_key=asset_key, partition=key, metadata=done.metadata,
+                tags=materialization_tags(context, asset_key, key, done.data_version))
+            rows, rejected = rows + done.rows, rejected + done.rejected
+            if not done.rows:
+                empty.append(done.availability)
         yield dg.AssetCheckResult(
-            check_name="prompts_available", passed=bool(rows), severity=dg.AssetCheckSeverity.WARN,
-            description=availability, metadata={"prompts": rows, "rejected": rejected},
+            check_name="prompts_available", passed=not empty, severity=dg.AssetCheckSeverity.WARN,
+            description=(f"{len(keys)} partitions ({keys[0]} .. {keys[-1]}): {rows} prompts, {rejected} records "
+                         f"rejected" + (f"; {len(empty)} empty: " + " | ".join(empty) if empty else "")),
+            metadata={"prompts": rows, "rejected": rejected, "partitions": len(keys), "empty_partitions": len(empty)},
         )
-
 
     @dg.asset(partitions_def=partitions_def, group_name="prompts", deps=[raw_prompts], kinds={"parquet"})
     def tokenized_prompts(
