@@ -240,7 +240,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         result = defs.resolve_job_def(DATASET_JOB).execute_in_process(
             partition_key=dataset, instance=instance, raise_on_error=False)
         status = "ok" if result.success else "FAILED (see the check results / run logs)"
-        print(f"dataset {dataset} ({catalog.partitions[dataset].chunks} chunks): {status} in "
+        print(f"dataset {dataset} ({catalog.partitions[dataset].chunks} chunks): dataset_job {status} in "
               f"{time.monotonic() - t0:.1f} s (run {result.run_id})", flush=True)
         for line in check_summary_lines(result):
             print(line, flush=True)

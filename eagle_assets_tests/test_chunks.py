@@ -279,7 +279,7 @@ def test_the_cli_runs_a_chunked_datasets_raw_prompts_in_one_run_and_each_chunk_f
     rc, printed, home = runs["cli"]
     assert rc == 0, printed[-3000:]
     assert "dataset D: raw_prompts of its 3 chunks in one run: ok" in printed
-    assert "dataset D (3 chunks): ok" in printed
+    assert "dataset D (3 chunks): dataset_job ok" in printed
     with dg.DagsterInstance.from_config(str(home)) as instance:
         raw_steps = {}
         for run in instance.get_runs(dg.RunsFilter(job_name="partition_job")):
