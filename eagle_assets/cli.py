@@ -213,6 +213,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             status = "ok" if result.success else "FAILED (each chunk's run tries it again and reports why)"
             print(f"dataset {dataset}: raw_prompts of its {len(chunks)} chunks in one run: {status} in "
                   f"{time.monotonic() - t0:.1f} s (run {result.run_id})", flush=True)
+            for line in check_summary_lines(result):  # e.g. prompts_available naming an empty chunk
+                print(line, flush=True)
             if result.success:
                 prepared.update(chunks)
         for key in keys:

@@ -282,3 +282,32 @@ def test_one_run_over_the_chunk_keys_writes_each_chunk_as_its_own_run_would(tmp_
         assert {k: v for k, v in tags["ranged"][key].items() if k != pointer} == \
             {k: v for k, v in tags["single"][key].items() if k != pointer}, key
     assert len({tags["ranged"][k]["dagster/data_version"] for k in keys}) == 4
+
+
+def test_one_run_over_the_chunk_keys_names_its_empty_chunks_in_the_check(tmp_path):
+    """Three records in 8 chunks: the run succeeds, every chunk is materialized (empty ones with zero rows), and the
+    one ``prompts_available`` result fails at WARN naming each empty chunk, as each chunk's own run would."""
+    from eagle_assets.assets.dataset_runs import run_raw_prompts_over_chunks
+    from eagle_assets.definitions import PARTITION_JOB, build_definitions
+
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps({"question": f"q{i}?", "answer": "a"}) + "\n" for i in range(3)))
+    catalog = tmp_path / "cat.yaml"
+    catalog.write_text(yaml.safe_dump({"partitions": {"D": {
+        "sources": [{"path": str(src), "format": "auto"}], "sampling": {"max_new_tokens": 8}, "chunks": 8}}}))
+    defs = build_definitions(catalog, storage_root=tmp_path / "store")
+    keys = [f"D.c{i:02d}" for i in range(8)]
+    with dg.DagsterInstance.ephemeral() as instance:
+        result = run_raw_prompts_over_chunks(defs.resolve_job_def(PARTITION_JOB), instance,
+                                             defs.resources["settings"].catalog(), keys)
+    assert result.success
+    rows = {m.partition: m.metadata["dagster/row_count"].value
+            for m in result.asset_materializations_for_node("raw_prompts")}
+    assert sorted(rows) == keys and sum(rows.values()) == 3
+    empty = [k for k in keys if rows[k] == 0]
+    assert len(empty) >= 5
+    (check,) = [e.asset_check_evaluation_data for e in result.all_events
+                if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+    assert not check.passed and check.severity == dg.AssetCheckSeverity.WARN
+    assert check.metadata["empty_partitions"].value == len(empty)
+    assert all(f"chunk {k} is empty" in check.description for k in empty)
