@@ -25,9 +25,6 @@ from eagle_assets.catalog import Catalog
 
 RAW_PROMPTS = dg.AssetKey("raw_prompts")
 OBSERVED_INPUTS = frozenset((*PARTITION_INPUTS, *GLOBAL_INPUTS))  # observable source assets: observations only
-# Dagster's tags for a ranged run (dagster/_core/storage/tags.py: ASSET_PARTITION_RANGE_START_TAG / _END_TAG)
-RANGE_START_TAG = "dagster/asset_partition_range_start"
-RANGE_END_TAG = "dagster/asset_partition_range_end"
 
 
 def materialization_tags(context: dg.AssetExecutionContext, asset_key: dg.AssetKey, partition: str,
@@ -88,6 +85,9 @@ def run_raw_prompts_over_chunks(job: dg.JobDefinition, instance: dg.DagsterInsta
         if version.problem:  # the chunk's run reports it (raw_prompts raises the FormatError naming the file)
             continue
         instance.report_runless_asset_event(observation_event(version))
+    # execute_in_process takes one partition key; a range is given as the tags a ranged backfill run carries
+    from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+
     return job.execute_in_process(
         instance=instance, raise_on_error=False, asset_selection=[RAW_PROMPTS],
-        tags={RANGE_START_TAG: keys[0], RANGE_END_TAG: keys[-1]})
+        tags={ASSET_PARTITION_RANGE_START_TAG: keys[0], ASSET_PARTITION_RANGE_END_TAG: keys[-1]})

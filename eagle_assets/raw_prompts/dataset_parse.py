@@ -189,8 +189,7 @@ def _build_dataset_parse(partition_key: str, sources: list[tuple[Path, str]], po
                                               seed=seed, limit=limit, chunk=None)
             rejects.commit()
         finally:
-            if os.path.exists(rejects.tmp):
-                rejects.abort()
+            rejects.abort()  # nothing after its commit
         rows_by_chunk: list[int] = []
         for lo in range(0, chunks, MAX_OPEN_CHUNK_FILES):  # one pass over the spills per group of chunk files
             files = _ChunkFiles(build, lo, min(chunks, lo + MAX_OPEN_CHUNK_FILES), chunks)
@@ -245,7 +244,7 @@ def _write_chunk_from_parse(parse: Path, out_dir: Path, chunk: tuple[int, int], 
         summary.rows, summary.row_groups = prompts.rows, prompts.groups
     finally:
         for w in (prompts, rejects):
-            if w is not None and os.path.exists(w.tmp):  # not committed: an error above
+            if w is not None:  # nothing after its commit
                 w.abort()
         if copied is not None and os.path.exists(copied):
             os.unlink(copied)

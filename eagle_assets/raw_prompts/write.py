@@ -111,6 +111,7 @@ class RowGroupWriter:
         self._buffered = 0
         self.rows = 0
         self.groups = 0
+        self.committed = False
 
     def write(self, table: pa.Table) -> None:
         while table.num_rows:
@@ -137,8 +138,12 @@ class RowGroupWriter:
             self._flush()
         self._writer.close()
         os.replace(self.tmp, self.path)
+        self.committed = True
 
     def abort(self) -> None:
+        """Drop the temp file; does nothing after ``commit``, so a ``finally`` can call it on every writer."""
+        if self.committed:
+            return
         self._writer.close()
         if os.path.exists(self.tmp):
             os.unlink(self.tmp)
@@ -331,7 +336,7 @@ def write_raw_prompts(
         summary.rows, summary.row_groups = prompts.rows, prompts.groups
     finally:
         for w in (prompts, rejects):
-            if w is not None and os.path.exists(w.tmp):  # not committed: an error above
+            if w is not None:  # not committed: an error above
                 w.abort()
         shutil.rmtree(spill_dir, ignore_errors=True)
     return summary
