@@ -81,6 +81,70 @@ def check_summary_lines(result) -> list[str]:
     return lines
 
 
+def failure_lines(result) -> list[str]:
+    """One line per failed step of a job result: the step and its root cause, i.e. a ``dg.Failure``'s description,
+    else the message of the innermost exception in the error's cause chain (the exception the asset raised, not
+    Dagster's wrapper around it). Steps skipped because an upstream step failed are not listed."""
+    lines = []
+    for event in result.all_events:
+        if event.event_type_value != "STEP_FAILURE":
+            continue
+        data = event.step_failure_data
+        text = ""
+        if data.user_failure_data is not None and data.user_failure_data.description:
+            text = data.user_failure_data.description
+        elif data.error is not None:
+            error = data.error
+            while error.cause is not None:
+                error = error.cause
+            text = f"{error.cls_name}: {error.message.strip()}" if error.cls_name else error.message.strip()
+        lines.append(f"  step {event.step_key} FAILED -- {' '.join(text.split())}")
+    return lines
+
+
+def reject_lines(layout, key: str) -> list[str]:
+    """What the stages of partition ``key`` set aside: records ``raw_prompts`` rejected and prompts
+    ``tokenized_prompts`` refused, by reason, with the file that names each one (nothing when none)."""
+    import pyarrow.parquet as pq
+
+    from eagle_assets.storage.shards import safe_name
+
+    lines = []
+    for stage in ("raw_prompts", "tokenized_prompts"):
+        folder = layout.base / stage / safe_name(key)
+        rejects, prompts = folder / "rejects.parquet", folder / "prompts.parquet"
+        if not rejects.exists():
+            continue
+        reasons = pq.read_table(rejects, columns=["reason"]).column("reason").to_pylist()
+        if not reasons:
+            continue
+        kept = pq.read_metadata(prompts).num_rows if prompts.exists() else 0
+        counts: dict[str, int] = {}
+        for r in reasons:
+            counts[r] = counts.get(r, 0) + 1
+        by_reason = ", ".join(f"{r} {n}" for r, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+        lines.append(f"  {stage}: {len(reasons)} of {len(reasons) + kept} rejected ({by_reason}); see {rejects}")
+    return lines
+
+
+def acceptance_line(result) -> str | None:
+    """The ``acceptance_length`` check's description (tau with its CI, per partition) of a training run, or None."""
+    for event in result.all_events:
+        if event.event_type_value == "ASSET_CHECK_EVALUATION":
+            data = event.asset_check_evaluation_data
+            if data.check_name == "acceptance_length":
+                return f"  acceptance_length -- {data.description}"
+    return None
+
+
+@contextlib.contextmanager
+def _dagster_output_to(log_path: Path):
+    """Dagster's run output (its console logger writes every event, DEBUG included, to ``sys.stderr``) goes to
+    ``log_path`` (appended) for the block; the command's own lines stay on stdout."""
+    with open(log_path, "a", encoding="utf-8") as fh, contextlib.redirect_stderr(fh):
+        yield
+
+
 @contextlib.contextmanager
 def _partition_definitions(defs, catalog_path: Path, catalog, prelaunch: bool = False):
     """The Definitions the partition runs use: ``defs`` itself, or, when the catalog launches its server (no
@@ -169,8 +233,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     catalog_path = Path(args.catalog or default_catalog_path()).resolve()
     try:  # importing definitions loads $EAGLE_ASSETS_CATALOG (its module-level defs) too
-        from eagle_assets.assets.dataset_runs import RAW_PROMPTS, run_raw_prompts_over_chunks
-        from eagle_assets.definitions import DATASET_JOB, PARTITION_JOB, TRAINING_JOB, build_definitions
+        from eagle_assets.definitions import build_definitions
 
         defs = build_definitions(catalog_path)
     except CatalogError as exc:  # the message names the file, the field and what to do: no traceback needed
@@ -184,6 +247,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"{exc}\n(--partitions takes dataset keys {catalog.dataset_keys} or chunk keys such as "
               f"<dataset>.c00; the catalog {catalog_path} has {len(catalog.partition_keys)} partitions)")
         return 2
+    for key in keys:  # a missing source file is a catalog error, found before anything runs, like a typo
+        try:
+            catalog.partition(key).resolved_sources()
+        except CatalogError as exc:
+            print(exc)
+            return 2
     if catalog.target.model == "demo":
         from eagle_assets.demo.build import DemoTargetRejected, build_demo_target
 
@@ -194,10 +263,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
             print(exc, file=sys.stderr)
             return 1
     instance = dg.DagsterInstance.get()
-    print(f"DAGSTER_HOME={home}; catalog {catalog_path}; storage {settings.storage_root}", flush=True)
+    layout = Layout(Path(settings.storage_root), catalog_path.stem)
+    log_path = layout.base / "run_logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"DAGSTER_HOME={home}; catalog {catalog_path}; storage {settings.storage_root}\n"
+          f"Dagster's output (every event of every run): {log_path}", flush=True)
+    with _dagster_output_to(log_path):
+        return _run_jobs(args, defs, instance, catalog, catalog_path, layout, keys)
+
+
+def _run_jobs(args: argparse.Namespace, defs, instance, catalog, catalog_path: Path, layout, keys: list[str]) -> int:
+    """The runs of ``eagle-assets run`` (see the module doc), one summary block per run on stdout."""
+    from eagle_assets.assets.dataset_runs import RAW_PROMPTS, run_raw_prompts_over_chunks
+    from eagle_assets.definitions import DATASET_JOB, PARTITION_JOB, TRAINING_JOB
+
     failed = []
     t_all = time.monotonic()
-    layout = Layout(Path(settings.storage_root), catalog_path.stem)
     with _partition_definitions(defs, catalog_path, catalog, prelaunch=_first_run(layout, keys)) as partition_defs:
         job = partition_defs.resolve_job_def(PARTITION_JOB)
         # a dataset run whole: its raw_prompts in one run over its chunk keys (assets.dataset_runs), so the chunks'
@@ -223,9 +304,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 partition_key=key, instance=instance, raise_on_error=False,
                 asset_selection=without_raw if key in prepared else None,
             )
-            status = "ok" if result.success else "FAILED (see the check results / run logs)"
+            status = "ok" if result.success else "FAILED"
             print(f"partition {key}: {status} in {time.monotonic() - t0:.1f} s (run {result.run_id})", flush=True)
-            for line in check_summary_lines(result):
+            for line in failure_lines(result) + check_summary_lines(result) + reject_lines(layout, key):
                 print(line, flush=True)
             if not result.success:
                 failed.append(key)
@@ -241,27 +322,35 @@ def _cmd_run(args: argparse.Namespace) -> int:
         t0 = time.monotonic()
         result = defs.resolve_job_def(DATASET_JOB).execute_in_process(
             partition_key=dataset, instance=instance, raise_on_error=False)
-        status = "ok" if result.success else "FAILED (see the check results / run logs)"
+        status = "ok" if result.success else "FAILED"
         print(f"dataset {dataset} ({catalog.partitions[dataset].chunks} chunks): dataset_job {status} in "
               f"{time.monotonic() - t0:.1f} s (run {result.run_id})", flush=True)
-        for line in check_summary_lines(result):
+        for line in failure_lines(result) + check_summary_lines(result):
             print(line, flush=True)
         if not result.success:
             failed.append(dataset)
     report = layout.base / "length_report" / "report.md"
     if report.exists():
         print(f"\nlength report: {report}\n{report.read_text()}")
-    if not args.skip_training:
+    passed = [k for k in keys if k not in failed]
+    if not args.skip_training and keys and not passed:
+        print(f"training: not attempted: no partition passed ({len(failed)} failed; their reasons are above)",
+              flush=True)
+    elif not args.skip_training:
         t0 = time.monotonic()
         result = defs.resolve_job_def(TRAINING_JOB).execute_in_process(instance=instance, raise_on_error=False)
         print(f"training: {'ok' if result.success else 'FAILED'} in {time.monotonic() - t0:.1f} s "
               f"(run {result.run_id})", flush=True)
-        for line in check_summary_lines(result):
+        tau = acceptance_line(result)
+        warned = check_summary_lines(result)
+        for line in failure_lines(result) + ([tau] if tau and not any("acceptance_length" in w for w in warned)
+                                             else []) + warned:
             print(line, flush=True)
         ckpt = layout.base / "drafter_checkpoint" / "checkpoint"
         if result.success:
-            print(f"drafter checkpoint: {ckpt}\n  serve with: python -m sglang.launch_server --model-path <target> "
-                  f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {ckpt}")
+            target_path = defs.resources["target"].resolve()
+            print(f"drafter checkpoint: {ckpt}\n  serve with: python -m sglang.launch_server --model-path "
+                  f"{target_path} --speculative-algorithm EAGLE3 --speculative-draft-model-path {ckpt}")
         else:
             failed.append("training")
     print(f"total {time.monotonic() - t_all:.1f} s")

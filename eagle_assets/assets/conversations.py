@@ -16,6 +16,7 @@ from pathlib import Path
 import dagster as dg
 import pyarrow.parquet as pq
 
+from eagle_assets.assets.regeneration import settle_generation
 from eagle_assets.assets.versions import directory_content_version, record_generation_inputs
 from eagle_assets.generations.run import FAILURES_FILE, LIVE_STATS_FILE, PartitionBusyError
 
@@ -30,18 +31,22 @@ def _conversations(layout, key: str) -> tuple[list[tuple[str, list]], dict[str, 
     return convs, tools
 
 
-def conversation_generations(context: dg.AssetExecutionContext, settings, target, sglang, out: Path,
+def conversation_generations(context: dg.AssetExecutionContext, settings, target, sglang, out: Path, work: Path,
                              fingerprint, regenerate: bool) -> dg.MaterializeResult:
     """The ``generations`` materialization of one ``all_turns`` partition (see the module doc).
 
-    Raises ``dg.Failure`` when another run generates the partition, or when the live monitor stopped the run
-    (the turns generated are kept; rerunning resumes at the next turn).
+    ``out`` is the partition's folder, ``work`` the folder this run generates into (``out``, or its staging folder
+    while stored rows of other inputs wait to be replaced: ``assets.regeneration``); ``regenerate`` clears ``work``
+    first.
+
+    Raises ``dg.Failure`` when a server does not answer, when another run generates the partition, when every
+    request failed (the stored rows are kept), or when the live monitor stopped the run (the turns generated are
+    kept; rerunning resumes at the next turn).
     """
     from eagle_assets.assets.live_reporting import live_metadata, stopped_failure
     from eagle_assets.assets.qc import blank_token_ids
     from eagle_assets.generations.rollout import CONVERSATIONS_FILE, TURNS_FILE, RolloutSettings, run_conversations
     from eagle_assets.qc.live import LiveQualityMonitor
-    from eagle_assets.serving.client import GenerateClient
     from eagle_assets.serving.protocol import SamplingParams
     from eagle_assets.target_model.profile import detect_profile, target_vocab_size
     from eagle_assets.target_model.render import control_token_ids
@@ -63,11 +68,12 @@ def conversation_generations(context: dg.AssetExecutionContext, settings, target
                               top_k=s.top_k, stop_token_ids=list(profile.stop_ids), skip_special_tokens=False)
     shown_urls: list[str] = []
 
-    def client():
-        urls = sglang.base_urls(str(model_dir))
-        c = GenerateClient(urls, concurrency_per_server=catalog.server.concurrency,
-                           timeout_s=catalog.server.timeout_s, api_key_env=sglang.api_key_env)
-        shown_urls.extend(c.redact(u) for u in urls)
+    def client():  # every server answers /health and /get_model_info before a turn is sent
+        c, infos = sglang.generate_client(str(model_dir), concurrency=catalog.server.concurrency,
+                                          timeout_s=catalog.server.timeout_s)
+        for url, info in infos.items():
+            context.log.info(f"{c.redact(url)} serves {info.get('model_path', '(model_path not given)')}")
+        shown_urls.extend(c.redact(u) for u in c.urls)
         return c
 
     monitors: list = []
@@ -87,14 +93,15 @@ def conversation_generations(context: dg.AssetExecutionContext, settings, target
     context.log.info(f"regenerating every turn of {len(convs)} conversations of {key} "
                      f"(thinking {spec.enable_thinking}, at most {spec.max_turns} turns each)")
     try:
-        stats = run_conversations(convs, out, client, sampling, rollout, regenerate=regenerate,
+        stats = run_conversations(convs, work, client, sampling, rollout, regenerate=regenerate,
                                   make_monitor=make_monitor, progress=context.log.info, alarm=context.log.warning)
     except PartitionBusyError as exc:
         raise dg.Failure(description=f"{exc}. Another run is generating partition {key}; wait for it or cancel it.",
                          allow_retries=False) from exc
-    record_generation_inputs(out, fingerprint)
+    record_generation_inputs(work, fingerprint)
     if stats.failed:
-        context.log.warning(f"{stats.failed} turn requests failed after retries; see {out / FAILURES_FILE}")
+        context.log.warning(f"{stats.failed} turn requests failed after retries; see {work / FAILURES_FILE}")
+    settle_generation(context, out, work, requested=stats.succeeded + stats.failed, succeeded=stats.succeeded)
     live = {}
     if stats.stopped_early:
         raise stopped_failure(key, stats, out, stats.monitor)

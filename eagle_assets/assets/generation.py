@@ -10,6 +10,7 @@ keeping every row generated.
 
 import dagster as dg
 
+from eagle_assets.assets.regeneration import generation_workdir, settle_generation
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.versions import (directory_content_version, generation_fingerprint,
                                           generation_inputs_changed, record_generation_inputs)
@@ -52,7 +53,6 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         from eagle_assets.assets.qc import blank_token_ids
         from eagle_assets.qc.live import LiveQualityMonitor
         from eagle_assets.structure.segment import StructureCheck
-        from eagle_assets.serving.client import GenerateClient
         from eagle_assets.serving.protocol import SamplingParams
         from eagle_assets.target_model.profile import detect_profile, target_vocab_size
         from eagle_assets.target_model.render import control_token_ids
@@ -71,11 +71,13 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
             context.log.warning(f"{', '.join(changed)} changed since the shards of {key} were generated: "
                                 "generating every prompt again instead of resuming")
         if config.regenerate:
-            context.log.info(f"regenerate=True: existing shards of {key} are removed and generated again")
+            context.log.info(f"regenerate=True: every prompt of {key} is generated again; the new rows replace the "
+                             "stored ones once there are some")
+        work, clear = generation_workdir(context, out, fingerprint, regenerate, config.regenerate)
         if spec.prompt_policy == "all_turns":  # every assistant turn regenerated on-policy (eagle_assets.generations.rollout)
             from eagle_assets.assets.conversations import conversation_generations
 
-            return conversation_generations(context, settings, target, sglang, out, fingerprint, regenerate)
+            return conversation_generations(context, settings, target, sglang, out, work, fingerprint, clear)
         # read lazily (tokenized_prompts.prompts_file): sample ids up front, prompt ids a row group at a time as requests go out
         prompts = PromptsFile(layout.stage_dir("tokenized_prompts", key) / "prompts.parquet")
         model_dir = target.resolve()
@@ -94,15 +96,14 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
             skip_special_tokens=False,
         )
         # A finished partition needs no server: do not launch one just to send nothing.
-        pending = regenerate or not prompts.index.keys() <= read_done_ids(out)
-        urls = sglang.base_urls(str(model_dir)) if pending else []
-        client = GenerateClient(
-            urls,
-            concurrency_per_server=catalog.server.concurrency,
-            timeout_s=catalog.server.timeout_s,
-            api_key_env=sglang.api_key_env,
-        ) if pending else None
-        shown_urls = [client.redact(u) for u in urls] if client else []
+        pending = clear or not prompts.index.keys() <= read_done_ids(work)
+        client = None
+        if pending:  # every server answers /health and /get_model_info before a request is sent
+            client, infos = sglang.generate_client(str(model_dir), concurrency=catalog.server.concurrency,
+                                                   timeout_s=catalog.server.timeout_s)
+            for url, info in infos.items():
+                context.log.info(f"{client.redact(url)} serves {info.get('model_path', '(model_path not given)')}")
+        shown_urls = [client.redact(u) for u in client.urls] if client else []
         # The same segmentation and thresholds as qc_shards, applied as rows arrive; a finished partition has no
         # rows arriving, so it skips the (vocab-sized) blank-id scan.
         blank = blank_token_ids(tokenizer) if pending else frozenset()
@@ -119,8 +120,8 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         context.log.info(f"generating {len(prompts)} prompts of {key} against {shown_urls or 'no server (all done)'}")
         try:
             stats = run_generation(
-                prompts, out, client, sampling, vocab_size, progress=context.log.info, flush_rows=FLUSH_ROWS,
-                regenerate=regenerate, monitor=monitor, alarm=context.log.warning, control_ids=control,
+                prompts, work, client, sampling, vocab_size, progress=context.log.info, flush_rows=FLUSH_ROWS,
+                regenerate=clear, monitor=monitor, alarm=context.log.warning, control_ids=control,
                 well_formed=shape,
             )
         except PartitionBusyError as exc:
@@ -128,10 +129,11 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
                 description=f"{exc}. Another run is generating partition {key}; wait for it or cancel it.",
                 allow_retries=False,
             ) from exc
-        record_generation_inputs(out, fingerprint)
+        record_generation_inputs(work, fingerprint)
         summary = stats.summary()
         if stats.failed:
-            context.log.warning(f"{stats.failed} requests failed after retries; see {out / FAILURES_FILE}")
+            context.log.warning(f"{stats.failed} requests failed after retries; see {work / FAILURES_FILE}")
+        settle_generation(context, out, work, requested=stats.requested - stats.not_sent, succeeded=stats.succeeded)
         if stats.stopped_early:
             raise stopped_failure(key, stats, out, monitor)
         live = live_metadata(monitor.snapshot(), out / LIVE_STATS_FILE) if monitor is not None else {}

@@ -23,7 +23,7 @@ import dagster as dg
 from pydantic import PrivateAttr
 
 from eagle_assets.serving.aux_capture import AuxCapture
-from eagle_assets.serving.client import normalize_url
+from eagle_assets.serving.client import GenerateClient, ServerUnavailable, normalize_url, run_sync
 from eagle_assets.serving.launch import LAUNCH_KINDS, LaunchedServer, launch_server
 
 
@@ -151,6 +151,24 @@ class SGLangServerResource(dg.ConfigurableResource):
                 "model directory to base_urls() (or the model_path field) to launch one"
             )
         return [self._launcher().url_for(str(path), aux_capture)]
+
+    def generate_client(self, model_path: str, *, concurrency: int, timeout_s: float
+                        ) -> tuple[GenerateClient, dict[str, dict]]:
+        """A ``GenerateClient`` to ``base_urls(model_path)`` whose every server answered ``/health`` and
+        ``/get_model_info`` (``GenerateClient.probe``), and those servers' model info (URL -> body).
+
+        Raises:
+            dg.Failure: a server did not answer (the description names the URL and the error; nothing was sent).
+            As ``base_urls`` when a launch fails.
+        """
+        client = GenerateClient(self.base_urls(model_path), concurrency_per_server=concurrency,
+                                timeout_s=timeout_s, api_key_env=self.api_key_env)
+        try:
+            infos = run_sync(client.probe())
+        except ServerUnavailable as exc:
+            raise dg.Failure(description=str(exc), metadata={"url": exc.url, "error": exc.error},
+                             allow_retries=False) from exc
+        return client, infos
 
     def _launcher(self) -> ServerLauncher:
         if self.shared is not None:

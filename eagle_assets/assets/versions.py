@@ -219,14 +219,17 @@ def _weights_identity(path: Path) -> dict:
 
 
 def target_model_version(catalog: Catalog, cache_root: str = "") -> InputVersion:
-    """``target_model``: the weights that generate and give the drafter's aux hidden states (config.json, each
-    weight file's identity, the shard index), and how a launched server runs them (``server.launch``,
-    ``server.extra_args``, e.g. ``--dtype``). Feeds ``generations`` and ``drafter_checkpoint``. Server URLs are not
-    part of it: the catalog's ``target.model`` names the weights the servers serve."""
+    """``target_model``: what is served, i.e. the weights that generate and give the drafter's aux hidden states
+    (the model path, config.json, each weight file's identity, the shard index). Feeds ``generations`` and
+    ``drafter_checkpoint``.
+
+    How the server was started is not part of it (``server.launch``, ``server.url``, ``server.extra_args``): the
+    same weights served by the embedded server, a launched SGLang or a running one behind a URL are the same target,
+    and a partition switched from one to another resumes its rows instead of generating them again (a launch flag
+    that changes the replies, e.g. another ``--dtype``, is a reason to materialize with ``regenerate: true``)."""
     model = catalog.target.model
     model_dir, recipe = target_location(model, cache_root)
-    facts: dict[str, Any] = {"model": model, "launch": catalog.server.launch if not catalog.server.urls else "connect",
-                             "extra_args": list(catalog.server.extra_args)}
+    facts: dict[str, Any] = {"model": model}
     if recipe is not None:
         facts["demo_recipe_sha256"] = recipe
     elif model_dir is not None:

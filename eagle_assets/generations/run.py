@@ -242,6 +242,48 @@ def run_generation(
                            None if control_ids is None else frozenset(control_ids), well_formed)
 
 
+# A regeneration (other target, sampling or render settings; or ``regenerate=True``) of a partition that holds rows
+# writes into this folder inside the partition's directory, so the rows stay until new ones exist to replace them.
+STAGING_DIR = ".regenerating"
+
+
+def staging_dir(out_dir: Path) -> Path:
+    """Where a regeneration of ``out_dir`` writes until :func:`promote_staged` (``<out_dir>/.regenerating``; shard
+    listings of ``out_dir`` do not look inside it)."""
+    return Path(out_dir) / STAGING_DIR
+
+
+def promote_staged(out_dir: Path) -> tuple[int, int]:
+    """Replace the generation files of ``out_dir`` with those of its staging folder, under the partition lock.
+
+    Order: the old shards and result files are removed, the staged files moved in (each an atomic rename), the
+    staging folder removed last. A crash part-way leaves the staged files where the next regeneration resumes
+    from them, so no new row is lost and the old rows are only gone once new ones are in place.
+
+    Returns: (old rows removed, new rows in place).
+    Raises: ``PartitionBusyError`` when another process is generating into ``out_dir``; ``FileNotFoundError`` when
+    nothing is staged.
+    """
+    out_dir, stage = Path(out_dir), staging_dir(out_dir)
+    if not stage.is_dir():
+        raise FileNotFoundError(f"nothing staged under {stage}")
+    with _exclusive(out_dir):
+        staged = [p for p in stage.iterdir() if p.is_file() and p.name != LOCK_FILE and not p.name.endswith(".tmp")]
+        names = {p.name for p in staged}
+        old_rows = len(read_done_ids(out_dir))
+        shards = set(shard_paths(out_dir))
+        stale = [p for p in out_dir.iterdir() if p.is_file() and p.name != LOCK_FILE
+                 and (p in shards or p.name in names or p.name in (FAILURES_FILE, LIVE_STATS_FILE))]
+        for p in stale:
+            p.unlink()
+        for p in staged:
+            os.replace(p, out_dir / p.name)
+        for p in stage.iterdir():
+            p.unlink()
+        stage.rmdir()
+        return old_rows, len(read_done_ids(out_dir))
+
+
 def _live_json(snapshot: dict) -> bytes:
     """``snapshot`` as indented JSON with sorted keys (the layout ``write_json_atomic`` writes) by orjson, in C: json's
     indented encoder is pure Python and held the GIL ~1 ms per report in the writer thread (measured: 50 us per

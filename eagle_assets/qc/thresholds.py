@@ -40,7 +40,8 @@ class Outcome:
             return "all figures within thresholds"
         text = "; ".join(f.message() for f in self.findings)
         if self.figures.get("count") == 0:  # say it in words: "count = 0" alone reads like a broken check
-            return ("the partition is empty: no generated rows to check (see raw_prompts' prompts_available check "
+            return ("the partition is empty: no generated rows to check (see the generations step's failures and "
+                    "raw_prompts' prompts_available check "
                     "and its rejects.parquet); " + text)
         return text
 

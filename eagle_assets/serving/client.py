@@ -124,6 +124,15 @@ class _Attempt:
         self.server_fault = server_fault
 
 
+class ServerUnavailable(RuntimeError):
+    """A server did not answer ``/health`` and ``/get_model_info`` (``GenerateClient.probe``)."""
+
+    def __init__(self, url: str, error: str):
+        self.url, self.error = url, error
+        super().__init__(f"server {url} is not serving: {error}. Nothing was sent and no stored row was touched; "
+                         "start the server (or fix server.url in the catalog) and run the partition again")
+
+
 def normalize_url(url: str) -> str:
     """``host:port`` or ``http://host:port/`` -> ``http://host:port`` (no trailing slash, no ``/generate``)."""
     url = url.strip().rstrip("/")
@@ -233,6 +242,40 @@ class GenerateClient:
             async with session.get(base + path) as resp:
                 resp.raise_for_status()
                 return json.loads(await resp.read())
+
+    async def probe(self, attempts: int = 3, timeout_s: float = 10.0) -> dict[str, dict]:
+        """Ask every server ``GET /health`` then ``GET /get_model_info`` before any request is sent.
+
+        A partition's run calls this first, so a wrong or dead URL fails the run at once, with the URL and the error,
+        instead of after every prompt has used up its retries. SGLang answers ``/health`` 503 until its warm-up
+        request has run, so each URL gets ``attempts`` tries, 1 s apart.
+
+        Returns: URL -> the ``/get_model_info`` body (SGLang: ``model_path``, ``tokenizer_path``, ...).
+        Raises:
+            ServerUnavailable: a URL did not answer both with 200 (the message names the URL, redacted, and the
+                error: refused connection, timeout, HTTP status and body).
+        """
+        infos: dict[str, dict] = {}
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout, headers=self._headers) as session:
+            for url in self.urls:
+                error = ""
+                for attempt in range(max(1, attempts)):
+                    if attempt:
+                        await asyncio.sleep(1.0)
+                    try:
+                        for path in ("/health", "/get_model_info"):
+                            async with session.get(url + path) as resp:
+                                raw = await resp.read()
+                                if resp.status != 200:
+                                    raise ValueError(f"GET {path} answered HTTP {resp.status}: {_body_excerpt(raw)}")
+                        infos[url] = json.loads(raw) if raw.strip() else {}
+                        break
+                    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                else:
+                    raise ServerUnavailable(self.redact(url), self.redact(error))
+        return infos
 
     # ------------------------------------------------------------------------------------------------- public
     async def generate_many(
