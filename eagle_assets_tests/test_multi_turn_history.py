@@ -96,9 +96,11 @@ def test_qwen3_tool_chain_keeps_reasoning_after_the_last_user_turn_only(toks):
         "<think>\nSunny means no rain.\n</think>\n\nNo umbrella needed.<|im_end|>",
     ]
     walk, prompts = _drive(tok, replies, WEATHER_TOOL)
-    a1 = {"role": "assistant", "content": "", "reasoning_content": "The user wants the weather.\n",
+    # SGLang 0.5.23's parsers: reasoning and answer as the model wrote them, only the text before a call stripped
+    a1 = {"role": "assistant", "content": "", "reasoning_content": "\nThe user wants the weather.\n",
           "tool_calls": [_call("call_s_1_0")]}
-    a2 = {"role": "assistant", "content": "It is sunny in Rome today.", "reasoning_content": "The tool says sunny.\n"}
+    a2 = {"role": "assistant", "content": "\n\nIt is sunny in Rome today.",
+          "reasoning_content": "\nThe tool says sunny.\n"}
     tool = {"role": "tool", "content": RESULT["content"], "tool_call_id": "call_s_1_0"}
     histories = [[SYSTEM, USER1], [SYSTEM, USER1, a1, tool], [SYSTEM, USER1, a1, tool, a2, USER2]]
     for k, (rendered, history) in enumerate(zip(prompts, histories), 1):
@@ -125,7 +127,8 @@ def test_qwen3_thinking_off_and_on_render_their_own_histories(toks):
     assert prompts[1].prompt_ids == _template_ids(tok, history, None, enable_thinking=False)
     walk, prompts = _drive(tok, ["<think>\nPick one.\n</think>\n\nRed.<|im_end|>", "Pink.<|im_end|>"],
                            dataset=dataset, enable_thinking=True)
-    history = [dataset[0], {"role": "assistant", "content": "Red.", "reasoning_content": "Pick one.\n"}, dataset[2]]
+    history = [dataset[0], {"role": "assistant", "content": "\n\nRed.", "reasoning_content": "\nPick one.\n"},
+               dataset[2]]
     assert walk.mode == "on" and prompts[1].prompt_ids == _template_ids(tok, history, None, enable_thinking=True)
     assert turn_row_id("s", "on", 2) == "s:on:2"
 
@@ -137,10 +140,10 @@ def test_deepseek_r1_history_drops_reasoning_and_answers_right_after_tool_output
     walk, prompts = _drive(tok, ["Add them.\n</think>\n\n2+2 is 4.<｜end▁of▁sentence｜>",
                                  "Multiply.\n</think>\n\n12.<｜end▁of▁sentence｜>"], dataset=dataset)
     assert prompts[0].opens_think  # R1's template opens the block: "<｜Assistant｜><think>\n"
-    history = [dataset[0], {"role": "assistant", "content": "2+2 is 4.", "reasoning_content": "Add them.\n"},
+    history = [dataset[0], {"role": "assistant", "content": "\n\n2+2 is 4.", "reasoning_content": "Add them.\n"},
                dataset[2]]
     assert prompts[1].prompt_ids == _template_ids(tok, history, None)
-    assert "Add them." not in prompts[1].text and "2+2 is 4.<｜end▁of▁sentence｜>" in prompts[1].text
+    assert "Add them." not in prompts[1].text and "\n\n2+2 is 4.<｜end▁of▁sentence｜>" in prompts[1].text
     assert walk.ended == COMPLETE and walk.turn == 2
     # After tool outputs the DeepSeek template writes no assistant header; SGLang serves its text as is, so the turn
     # after a tool result is the template's text ending at <｜tool▁outputs▁end｜>, and the model's answer follows it
@@ -152,7 +155,7 @@ def test_deepseek_r1_history_drops_reasoning_and_answers_right_after_tool_output
     assert len(prompts) == 3 and (walk.ended, walk.end_turn, walk.tool_results) == (COMPLETE, 3, 1)
     a1 = {"role": "assistant", "content": "", "tool_calls": [_call("call_s_1_0")], "reasoning_content": "Look it up.\n"}
     tool = {"role": "tool", "content": RESULT["content"], "tool_call_id": "call_s_1_0"}
-    a2 = {"role": "assistant", "content": "It is sunny in Rome.", "reasoning_content": "The tool says sunny.\n"}
+    a2 = {"role": "assistant", "content": "\n\nIt is sunny in Rome.", "reasoning_content": "The tool says sunny.\n"}
     assert walk.history[:6] == [SYSTEM, USER1, a1, tool, a2, USER2]
     for k, history in enumerate([[SYSTEM, USER1], [SYSTEM, USER1, a1, tool], [SYSTEM, USER1, a1, tool, a2, USER2]]):
         assert prompts[k].prompt_ids == _template_ids(tok, _deepseek_args(history), None), f"turn {k + 1}"
@@ -160,7 +163,7 @@ def test_deepseek_r1_history_drops_reasoning_and_answers_right_after_tool_output
     assert prompts[1].prompt_ids[-1] == outputs_end and not prompts[1].opens_think
     assert prompts[1].flags["generation_prompt"] == "" and prompts[1].flags["generation_prompt_tokens"] == 0
     # turn 3's history renders the answer right after the tool outputs: turn 2's prompt, then its answer
-    assert "<｜tool▁outputs▁end｜>It is sunny in Rome.<｜end▁of▁sentence｜><｜User｜>" in prompts[2].text
+    assert "<｜tool▁outputs▁end｜>\n\nIt is sunny in Rome.<｜end▁of▁sentence｜><｜User｜>" in prompts[2].text
     # without the family rule (the catalog override) the turn after the tool result is refused as before
     walk = ConversationWalk.start("s", "default", DATASET)
     settings = _settings(tok)

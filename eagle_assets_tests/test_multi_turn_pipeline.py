@@ -76,18 +76,23 @@ class ScriptedQwen3Server(StubServer):
 def _recorded_calls(path: Path, fmt: str) -> dict[str, list[dict]]:
     from eagle_assets.formats import build_prompt, load_records
 
-    calls = {}
+    calls: dict[str, list[dict]] = {}
     for rec in load_records(path, fmt):
-        if not hasattr(rec, "messages"):
-            continue
-        msgs, _ = build_prompt(rec, "all_turns")
-        last_user = None
-        for m in msgs:
-            if m["role"] == "user":
-                last_user = m["content"]
-            elif m["role"] == "assistant" and m.get("tool_calls") and last_user is not None:
-                calls.setdefault(last_user, m["tool_calls"])
-                last_user = None
+        if hasattr(rec, "messages"):
+            calls_after_users(build_prompt(rec, "all_turns")[0], calls)
+    return calls
+
+
+def calls_after_users(msgs: list[dict], calls: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """Add to ``calls`` each user text of ``msgs`` that the conversation answered with tool calls -> those calls
+    (the first conversation to ask a text wins); returns ``calls``."""
+    last_user = None
+    for m in msgs:
+        if m["role"] == "user":
+            last_user = m["content"]
+        elif m["role"] == "assistant" and m.get("tool_calls") and last_user is not None:
+            calls.setdefault(last_user, m["tool_calls"])
+            last_user = None
     return calls
 
 

@@ -35,9 +35,9 @@ from eagle_assets.catalog import Catalog, PartitionSpec
 
 # The version of each asset's own code; see the module docstring for when to bump one.
 CODE_VERSIONS: dict[str, str] = {
-    "raw_prompts": "1",
+    "raw_prompts": "2",
     "tokenized_prompts": "1",
-    "generations": "1",
+    "generations": "2",
     "qc_shards": "1",
     "length_report": "1",
     "dataset_qc": "1",
@@ -283,7 +283,10 @@ def generation_fingerprint(catalog: Catalog, key: str, cache_root: str = "") -> 
         "target_model": target_model_version(catalog, cache_root).data_version,
     }
     if spec.prompt_policy == "all_turns":  # which recorded results answer a call changes later turns' prompts
+        from eagle_assets.generations.reply import HISTORY_RULES
+
         inputs["tool_result_match"] = spec.tool_result_match
+        inputs["history_rules"] = HISTORY_RULES  # how a reply becomes the history the next turn renders
     return {"sha256": canonical_digest(inputs), "inputs": inputs}
 
 

@@ -6,11 +6,15 @@ Covers:
 - Mixture-of-Thoughts (open-r1): ``{"messages": [user, assistant], "num_tokens", "source"}`` where the assistant
   content holds ``<think>\\n...\\n</think>\\n\\nanswer``; the reasoning is split into ``reasoning_content``,
 - LLaMA-Factory's reasoning tool-use layout (``data/reason_tool_use_demo_50.jsonl``): content is a list of parts
-  ``{"type": "text"|"reasoning"|"tool_call", "value": ...}`` and ``tools`` is a JSON string.
+  ``{"type": "text"|"reasoning"|"tool_call", "value": ...}`` and ``tools`` is a JSON string. The results of an
+  assistant turn with several calls come in one ``tool`` message whose text is a JSON array
+  ``[{"tool_call_id", "name", "content"}, ...]``, one entry per call in call order; they are split into one ``tool``
+  message per call (content and name of its entry), the layout every other source and the chat templates use.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from eagle_assets.formats.conversation import (
@@ -72,4 +76,32 @@ def parse(record: Any, row: int) -> Conversation:
         if role == "assistant" and calls is None and isinstance(msg.get("function_call"), dict):
             calls = [msg["function_call"]]  # legacy OpenAI single function_call
         messages.append(make_message(role, text, where, reasoning=reasoning, tool_calls=calls, name=msg.get("name")))
-    return finalize(messages, tools, row, record)
+    return finalize(_split_parallel_results(messages), tools, row, record)
+
+
+def _split_parallel_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each packed result message (see the module doc) split into one ``tool`` message per call.
+
+    Only a ``tool`` message right after an assistant message with N > 1 calls whose text is a JSON array of N
+    objects that each have ``content`` is split; anything else is kept as it is."""
+    out: list[dict[str, Any]] = []
+    for msg in messages:
+        prev = out[-1] if out else None
+        n = len(prev.get("tool_calls") or []) if prev is not None and prev.get("role") == "assistant" else 0
+        packed = None
+        if msg.get("role") == "tool" and n > 1 and isinstance(msg.get("content"), str):
+            try:
+                packed = json.loads(msg["content"])
+            except ValueError:
+                packed = None
+        if (isinstance(packed, list) and len(packed) == n
+                and all(isinstance(e, dict) and "content" in e for e in packed)):
+            for e in packed:
+                body = e["content"] if isinstance(e["content"], str) else json.dumps(e["content"], ensure_ascii=False)
+                part = {"role": "tool", "content": body}
+                if isinstance(e.get("name"), str) and e["name"]:
+                    part["name"] = e["name"]
+                out.append(part)
+        else:
+            out.append(msg)
+    return out

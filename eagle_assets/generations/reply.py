@@ -12,24 +12,42 @@ turn on-policy, the pipeline does the same with the target's raw ``output_ids``:
 3. the answer is split at the profile's tool-call marker ids: the text before the first outermost tool-call start
    is ``content``; each innermost marker pair holds one call, parsed by the family's call grammar below.
 
-Text, as SGLang's parsers produce it (``python/sglang/srt/parser/reasoning_parser.py``
-``BaseReasoningFormatDetector.detect_and_parse``: the think-start removed, the whole text stripped, the reasoning
-is what precedes the think-end, the normal text after it is stripped; ``function_call/*_detector.py``
-``detect_and_parse``: ``normal_text`` is the text before the first tool-call start token, stripped). Ids are
-decoded with ``skip_special_tokens=False`` span by span, the final stop id excluded.
+The text follows SGLang **0.5.23** (the version this project pins) exactly, whitespace included; each family is
+served with the parsers named in :data:`SGLANG_PARSERS`, and ``eagle_assets_tests/test_reply_sglang.py`` compares
+this function with those classes on every reply shape:
 
-Call grammars inside one innermost marker pair (SGLang function-call detectors, same files):
+- reasoning (``python/sglang/srt/parser/reasoning_parser.py``, ``BaseReasoningFormatDetector._detect_and_parse_impl``,
+  used by ``Qwen3Detector``, ``DeepSeekR1Detector``, ``KimiK2Detector``): leading think-starts removed, the
+  reasoning is the text up to the first think-end and the normal text what follows it, **neither stripped**; a
+  reply without a reasoning block is returned unchanged as normal text. ``reasoning_content`` is that reasoning
+  text as is.
+- content (``python/sglang/srt/function_call/*_detector.py``, ``detect_and_parse``): without a tool call, the
+  normal text as is (a thinking-off answer ending in ``" .\\n"`` keeps its newline); with one, the text before
+  the first call marker: **stripped** by ``Qwen25Detector`` (qwen3, demo, custom) and ``DeepSeekV3Detector``
+  (deepseek), **kept as is** by ``KimiK2Detector`` (kimi).
+- call ids (``serving_chat._process_tool_call_id``): Kimi's are ``functions.NAME:N`` with ``N`` the number of tool
+  calls in the history the client sent plus the call's index in this reply (the model's own ``:IDX`` is read for
+  the name only, as SGLang does); other families get a random id from SGLang, ``<call_id_prefix>_<i>`` here (their
+  templates do not render it).
 
-- qwen3 / demo / custom (``Qwen25Detector``, hermes style): ``<tool_call>`` ``{"name": str, "arguments": {...}}``
-  ``</tool_call>``;
-- deepseek (``DeepSeekV3Detector``): ``<｜tool▁call▁begin｜>`` ``function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```
+Ids are decoded with ``skip_special_tokens=False`` span by span, the final stop id excluded. Older SGLang releases
+stripped the text around the think split; 0.5.23 does not, so a profile of another SGLang version would need its
+own rules (the test above fails for them).
+
+Call grammars inside one innermost marker pair (SGLang 0.5.23's function-call detectors, same files):
+
+- qwen3 / demo / custom (``Qwen25Detector``, hermes style): ``<tool_call>`` ``\\n{"name": str, "arguments":
+  {...}}\\n`` ``</tool_call>`` (SGLang only sees a call where the markers are followed / preceded by a newline);
+- deepseek (``DeepSeekV3Detector``): ``<｜tool▁call▁begin｜>`` ``TYPE<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```
   `` ``<｜tool▁call▁end｜>``;
-- kimi (``KimiK2Detector``): ``<|tool_call_begin|>`` ``functions.NAME:IDX<|tool_call_argument_begin|>{...}``
-  ``<|tool_call_end|>``; the id ``functions.NAME:IDX`` is the call's ``id`` (the Kimi template writes it back).
+- kimi (``KimiK2Detector``): ``<|tool_call_begin|>`` ``[functions.]NAME:IDX<|tool_call_argument_begin|>{...}``
+  ``<|tool_call_end|>``.
 
-Arguments are kept as JSON objects (the project's message convention; ``target_model.render`` turns them into JSON
-strings for templates that need them). A call that does not parse is not guessed at: the reply gets the problem
-``unparseable_tool_call`` and its conversation ends.
+Arguments are kept as JSON objects (the project's message convention, and what SGLang 0.5.23 hands the template:
+``serving_chat.normalize_assistant_tool_call_arguments`` parses a history call's JSON-string arguments back into an
+object before rendering). A call that does not parse the way SGLang's detector would parse it is not guessed at:
+the reply gets the problem ``unparseable_tool_call`` and its conversation ends (SGLang would skip such a call, or
+return the markup as text; either continuation is a history no served client builds on purpose).
 """
 
 from __future__ import annotations
@@ -43,8 +61,28 @@ from eagle_assets.structure.segment import Segmentation
 
 UNPARSEABLE_TOOL_CALL = "unparseable_tool_call"
 
-_DEEPSEEK_CALL = re.compile(r"^\s*(?P<type>.*?)<｜tool▁sep｜>(?P<name>.*?)\n```json\n(?P<args>.*)\n```\s*$", re.DOTALL)
-_KIMI_CALL = re.compile(r"^\s*(?P<id>[\w.\-]+:\d+)\s*<\|tool_call_argument_begin\|>\s*(?P<args>.*?)\s*$", re.DOTALL)
+# The serving stack whose client view these rules reproduce: part of an all_turns partition's generation inputs
+# (assets.versions.generation_fingerprint), since later turn prompts are rendered from it.
+HISTORY_RULES = "sglang-0.5.23"
+
+# SGLang 0.5.23's --reasoning-parser and --tool-call-parser of each family: the classes this module's text rules
+# follow (sglang.srt.parser.reasoning_parser.ReasoningParser / sglang.srt.function_call.function_call_parser).
+SGLANG_PARSERS: dict[str, tuple[str, str]] = {
+    "qwen3": ("qwen3", "qwen25"),
+    "demo": ("qwen3", "qwen25"),
+    "custom": ("qwen3", "qwen25"),
+    "deepseek": ("deepseek-r1", "deepseekv3"),
+    "kimi": ("kimi_k2", "kimi_k2"),
+}
+# families whose tool-call detector strips the text before the first call (Qwen25Detector, DeepSeekV3Detector:
+# ``text[:idx].strip()``); KimiK2Detector keeps it as is
+_STRIPS_HEAD = {"qwen3", "demo", "custom", "deepseek"}
+
+# DeepSeekV3Detector.func_detail_regex on one call's body (the text between its markers)
+_DEEPSEEK_CALL = re.compile(r"^(?P<type>.*)<｜tool▁sep｜>(?P<name>.*)\n```json\n(?P<args>.*)\n```$", re.DOTALL)
+# KimiK2Detector.tool_call_regex on one call's body, then its tool_call_id_regex on the id
+_KIMI_CALL = re.compile(r"^\s*(?P<id>[^\s<|]+)\s*<\|tool_call_argument_begin\|>\s*(?P<args>\{.*?\})\s*$", re.DOTALL)
+_KIMI_ID = re.compile(r"^(?:functions\.)?(?P<name>[\w.\-]+):(?P<index>\d+)$")
 
 
 @dataclass(frozen=True)
@@ -115,26 +153,31 @@ def _arguments(raw: Any, where: str) -> dict[str, Any]:
     return raw
 
 
-def _parse_call(family: str, text: str, index: int) -> dict[str, Any]:
+def _parse_call(family: str, text: str, index: int, history_tool_calls: int) -> dict[str, Any]:
     """One call body (the text between an innermost marker pair) -> an OpenAI tool call; raises ValueError."""
     if family == "deepseek":
         m = _DEEPSEEK_CALL.match(text)
         if not m:
             raise ValueError(f"call {index}: not 'TYPE<｜tool▁sep｜>NAME\\n```json\\n{{...}}\\n```': {text[:120]!r}")
-        name, args, call_id = m.group("name").strip(), _arguments(m.group("args"), f"call {index}"), None
+        name, args, call_id = m.group("name"), _arguments(m.group("args"), f"call {index}"), None
     elif family == "kimi":
         m = _KIMI_CALL.match(text)
-        if not m:
-            raise ValueError(f"call {index}: not 'functions.NAME:IDX<|tool_call_argument_begin|>{{...}}': {text[:120]!r}")
-        call_id = m.group("id")
-        name = call_id.rsplit(":", 1)[0].split(".", 1)[-1]
+        ident = _KIMI_ID.match(m.group("id")) if m else None
+        if not ident:
+            raise ValueError(f"call {index}: not '[functions.]NAME:IDX<|tool_call_argument_begin|>{{...}}': "
+                             f"{text[:120]!r}")
+        name = ident.group("name")
         args = _arguments(m.group("args"), f"call {index}")
+        call_id = f"functions.{name}:{history_tool_calls + index}"  # serving_chat._process_tool_call_id (kimi_k2)
     else:
+        if not (text.startswith("\n") and text.endswith("\n")):
+            raise ValueError(f"call {index}: not '<tool_call>\\n{{...}}\\n</tool_call>' (SGLang's Qwen25Detector "
+                             f"returns such markup as text): {text[:120]!r}")
         body = json.loads(text.strip())
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             raise ValueError(f"call {index}: not a JSON object with a 'name': {text[:120]!r}")
         name, call_id = body["name"], None
-        args = _arguments(body.get("arguments", body.get("parameters", {})), f"call {index}")
+        args = _arguments(body.get("parameters") or body.get("arguments", {}), f"call {index}")
     if not name:
         raise ValueError(f"call {index}: empty function name")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
@@ -161,30 +204,37 @@ def _calls(answer: list[int], profile) -> tuple[list[int], list[list[int]]]:
 
 
 def parse_reply(output_ids: Sequence[int], seg: Segmentation, tokenizer, profile, *, prompt_opens_think: bool,
-                call_id_prefix: str = "call") -> ParsedReply:
+                call_id_prefix: str = "call", history_tool_calls: int = 0) -> ParsedReply:
     """The assistant message of one KEPT reply (see the module doc for every rule and its source).
 
     Args:
         output_ids: the reply's ``output_ids`` (ints, the final stop id included).
         seg: its ``segment_row`` / ``segment_output`` result (must be kept).
         tokenizer: the target's tokenizer (decoding only).
-        profile: the target's ``FamilyProfile``; ``profile.name`` picks the call grammar.
+        profile: the target's ``FamilyProfile``; ``profile.name`` picks the call grammar and the whitespace rule,
+            ``profile.history_reasoning`` whether ``reasoning_content`` is part of the message the client sends back.
         prompt_opens_think: the prompt's ``opens_think`` (``render.opens_think_block``).
         call_id_prefix: ids of calls whose grammar carries none are ``<prefix>_<i>`` (not rendered by the Qwen3
             and DeepSeek templates; kept so tool results can point at their call, as OpenAI clients do).
+        history_tool_calls: tool calls in the assistant messages of the history the client sent with this turn's
+            request (Kimi call ids count from there).
     Returns: a ``ParsedReply``; ``problem`` set (and ``message`` None) when a call does not parse.
     Raises: ``ValueError`` for a dropped ``seg`` (see ``reply_spans``).
     """
     reasoning, answer = reply_spans(output_ids, seg, profile, prompt_opens_think)
     head, bodies = _calls(answer, profile)
-    message: dict[str, Any] = {"role": "assistant", "content": _decode(tokenizer, head).strip()}
-    if reasoning is not None:
-        message["reasoning_content"] = _decode(tokenizer, reasoning).lstrip()
+    content = _decode(tokenizer, head)
+    if bodies and profile.name in _STRIPS_HEAD:
+        content = content.strip()
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    reasoning_text = _decode(tokenizer, reasoning) if reasoning is not None else ""
+    if reasoning_text and profile.history_reasoning == "reasoning_content":  # SGLang sends "" back as None
+        message["reasoning_content"] = reasoning_text
     if bodies:
         calls = []
         for i, body in enumerate(bodies):
             try:
-                call = _parse_call(profile.name, _decode(tokenizer, body), i)
+                call = _parse_call(profile.name, _decode(tokenizer, body), i, history_tool_calls)
             except (ValueError, json.JSONDecodeError) as exc:
                 return ParsedReply(None, UNPARSEABLE_TOOL_CALL, str(exc)[:500], reasoning or [], answer)
             call["id"] = call["id"] or f"{call_id_prefix}_{i}"

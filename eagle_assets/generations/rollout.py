@@ -237,7 +237,9 @@ def take_reply(walk: ConversationWalk, row: Mapping[str, Any], rendered, setting
         return
     parsed = parse_reply(row["output_ids"], seg, settings.tokenizer, settings.profile,
                          prompt_opens_think=rendered.opens_think,
-                         call_id_prefix=f"call_{walk.sample_id}_{walk.next_turn}")
+                         call_id_prefix=f"call_{walk.sample_id}_{walk.next_turn}",
+                         history_tool_calls=sum(len(m.get("tool_calls") or []) for m in walk.history
+                                                if m.get("role") == "assistant"))
     if parsed.problem is not None:
         walk.end(UNPARSEABLE_TOOL_CALL, parsed.detail)
         return

@@ -59,6 +59,13 @@ class FamilyProfile:
             end the same way), so ``render.render_prompt`` accepts such a prompt with an empty generation prompt
             (``render.answers_after_tool_outputs`` checks it) instead of refusing it as
             ``missing_generation_prompt``. On for DeepSeek, off elsewhere.
+        history_reasoning: what the client sends back of a reply's reasoning when the conversation goes on (the
+            template then decides what it replays, docs/multi_turn.md): ``"reasoning_content"`` (default, every
+            family) sends it as the message's ``reasoning_content``, as SGLang returns it; Kimi-K2.5's template
+            replays an in-flight tool loop's reasoning only from that field (a client that drops it conditions
+            every later turn on a prefix serving never produces: vllm-project/speculators#864), Qwen3's keeps it
+            after the last user turn, DeepSeek-R1's ignores it. ``"none"``: the client drops it (clients that keep
+            only ``content``; set ``target.profile.history_reasoning: none`` to train on what they send).
     """
 
     name: str
@@ -71,6 +78,7 @@ class FamilyProfile:
     tool_call_ends_reasoning: bool = False
     implicit_think_start: bool = False
     answer_after_tool_outputs: bool = False
+    history_reasoning: str = "reasoning_content"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (for asset metadata and Parquet schema metadata)."""
@@ -85,6 +93,7 @@ class FamilyProfile:
             "tool_call_ends_reasoning": self.tool_call_ends_reasoning,
             "implicit_think_start": self.implicit_think_start,
             "answer_after_tool_outputs": self.answer_after_tool_outputs,
+            "history_reasoning": self.history_reasoning,
         }
 
 
@@ -105,7 +114,9 @@ OVERRIDE_KEYS = {
     "tool_call_ends_reasoning": "tool_call_ends_reasoning",
     "implicit_think_start": "implicit_think_start",
     "answer_after_tool_outputs": "answer_after_tool_outputs",
+    "history_reasoning": "history_reasoning",
 }
+HISTORY_REASONING = ("reasoning_content", "none")
 _BOOL_FIELDS = ("tool_call_ends_reasoning", "implicit_think_start", "answer_after_tool_outputs")
 
 
@@ -184,6 +195,10 @@ def _apply_overrides(profile: FamilyProfile, tokenizer: Any, vocab: _TokenIds, o
             raise ProfileError(f"unknown profile override {key!r}; use one of {sorted(OVERRIDE_KEYS)}")
         if field_name == "name":
             changes["name"] = str(value)
+        elif field_name == "history_reasoning":
+            if value not in HISTORY_REASONING:
+                raise ProfileError(f"profile override {key!r} must be one of {HISTORY_REASONING}, got {value!r}")
+            changes[field_name] = value
         elif field_name in _BOOL_FIELDS:
             if not isinstance(value, bool):
                 raise ProfileError(f"profile override {key!r} must be true or false, got {value!r}")
