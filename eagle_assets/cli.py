@@ -24,9 +24,18 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _ensure_dagster_home() -> Path:
+def _ensure_dagster_home(catalog_path: Path) -> Path:
+    """``$DAGSTER_HOME``, set when unset to the instance of ``catalog_path``: the repo root (where ``dagster.yaml``
+    lives) for the default catalog, ``<repo>/dagster_home/<catalog name>/`` (with a copy of ``dagster.yaml``) for any
+    other, so two catalogs never share an instance (``definitions.claim_instance``)."""
     if not os.environ.get("DAGSTER_HOME"):
-        home = REPO_ROOT if (REPO_ROOT / "dagster.yaml").exists() else Path.cwd()
+        settings = REPO_ROOT / "dagster.yaml"
+        home = REPO_ROOT if settings.exists() else Path.cwd()
+        if catalog_path != (REPO_ROOT / "catalogs" / "default.yaml").resolve():
+            home = REPO_ROOT / "dagster_home" / catalog_path.stem
+            home.mkdir(parents=True, exist_ok=True)
+            if settings.exists() and not (home / "dagster.yaml").exists():
+                (home / "dagster.yaml").write_text(settings.read_text())
         os.environ["DAGSTER_HOME"] = str(home)
     home = Path(os.environ["DAGSTER_HOME"])
     home.mkdir(parents=True, exist_ok=True)
@@ -223,19 +232,21 @@ def chunks_without_qc(catalog, layout, keys: list[str]) -> dict[str, list[str]]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    home = _ensure_dagster_home()
-    if args.catalog:
-        os.environ["EAGLE_ASSETS_CATALOG"] = str(Path(args.catalog).resolve())
-    import dagster as dg
-
     from eagle_assets.catalog import CatalogError, default_catalog_path
-    from eagle_assets.storage.shards import Layout, default_storage_root
 
     catalog_path = Path(args.catalog or default_catalog_path()).resolve()
+    home = _ensure_dagster_home(catalog_path)
+    if args.catalog:
+        os.environ["EAGLE_ASSETS_CATALOG"] = str(catalog_path)
+    import dagster as dg
+
+    from eagle_assets.storage.shards import Layout
+
     try:  # importing definitions loads $EAGLE_ASSETS_CATALOG (its module-level defs) too
-        from eagle_assets.definitions import build_definitions
+        from eagle_assets.definitions import build_definitions, claim_instance
 
         defs = build_definitions(catalog_path)
+        claim_instance(catalog_path)
     except CatalogError as exc:  # the message names the file, the field and what to do: no traceback needed
         print(exc)
         return 2
@@ -247,6 +258,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"{exc}\n(--partitions takes dataset keys {catalog.dataset_keys} or chunk keys such as "
               f"<dataset>.c00; the catalog {catalog_path} has {len(catalog.partition_keys)} partitions)")
         return 2
+    for line in catalog.warnings():
+        print(f"catalog warning: {line}", flush=True)
     for key in keys:  # a missing source file is a catalog error, found before anything runs, like a typo
         try:
             catalog.partition(key).resolved_sources()
@@ -267,7 +280,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     log_path = layout.base / "run_logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"DAGSTER_HOME={home}; catalog {catalog_path}; storage {settings.storage_root}\n"
-          f"Dagster's output (every event of every run): {log_path}", flush=True)
+          f"Dagster's output (every event of every run): {log_path}\n"
+          f"see the runs in the UI: DAGSTER_HOME={home} EAGLE_ASSETS_CATALOG={catalog_path} dagster dev", flush=True)
     with _dagster_output_to(log_path):
         return _run_jobs(args, defs, instance, catalog, catalog_path, layout, keys)
 
@@ -338,6 +352,12 @@ def _run_jobs(args: argparse.Namespace, defs, instance, catalog, catalog_path: P
               flush=True)
     elif not args.skip_training:
         t0 = time.monotonic()
+        from eagle_assets.assets.inputs import report_observations
+        from eagle_assets.assets.versions import global_input_versions
+        from eagle_assets.definitions import TRAINING_JOB_INPUTS
+
+        report_observations(instance, [v for v in global_input_versions(catalog, defs.resources["target"].cache_root)
+                                       if v.key in TRAINING_JOB_INPUTS])
         result = defs.resolve_job_def(TRAINING_JOB).execute_in_process(instance=instance, raise_on_error=False)
         print(f"training: {'ok' if result.success else 'FAILED'} in {time.monotonic() - t0:.1f} s "
               f"(run {result.run_id})", flush=True)

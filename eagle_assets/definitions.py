@@ -19,6 +19,7 @@ one Kubernetes Job per step, ``eagle_assets.assets.k8s``).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import dagster as dg
@@ -41,7 +42,7 @@ from eagle_assets.assets.schedules import build_schedules
 from eagle_assets.assets.automation import build_automation_sensor
 from eagle_assets.assets.sensors import build_inputs_sensor
 from eagle_assets.assets.training import build_training_assets
-from eagle_assets.catalog import default_catalog_path, load_catalog
+from eagle_assets.catalog import CatalogError, default_catalog_path, load_catalog
 from eagle_assets.assets.k8s import build_executor
 from eagle_assets.assets.server_resource import SGLangServerResource
 from eagle_assets.storage.shards import default_storage_root
@@ -140,4 +141,37 @@ def build_definitions(
     return defs
 
 
+# One Dagster instance per catalog: asset keys are the same in every catalog (``raw_prompts``, ``qc_shards``, ...), so
+# two catalogs' runs in one instance would show each other's materializations, checks and paths under one key.
+INSTANCE_CATALOG_FILE = "eagle_assets_catalog"
+
+
+def claim_instance(catalog_path: str | Path) -> None:
+    """Record ``catalog_path`` as the catalog of the instance in ``$DAGSTER_HOME`` (the file
+    ``INSTANCE_CATALOG_FILE`` there), or refuse another catalog's. No-op when ``DAGSTER_HOME`` is unset.
+
+    Raises:
+        CatalogError: the instance already holds another catalog's runs (the message names both and the
+            ``DAGSTER_HOME`` to use instead).
+    """
+    home = os.environ.get("DAGSTER_HOME")
+    if not home:
+        return
+    catalog_path = str(Path(catalog_path).resolve())
+    marker = Path(home) / INSTANCE_CATALOG_FILE
+    recorded = marker.read_text().strip() if marker.is_file() else ""
+    if not recorded:
+        Path(home).mkdir(parents=True, exist_ok=True)
+        marker.write_text(catalog_path + "\n")
+    elif recorded != catalog_path:
+        raise CatalogError(
+            catalog_path, "(DAGSTER_HOME)",
+            f"the Dagster instance in {home} holds the runs of another catalog, {recorded}; in one instance the two "
+            "catalogs' assets would show each other's state under the same asset keys",
+            f"use a DAGSTER_HOME of its own for this catalog (the eagle-assets CLI picks dagster_home/"
+            f"{Path(catalog_path).stem}/ when DAGSTER_HOME is unset), or delete {marker} if this is the same catalog "
+            "moved to another path")
+
+
 defs = build_definitions()
+claim_instance(default_catalog_path())

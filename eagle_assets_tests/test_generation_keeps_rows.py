@@ -39,6 +39,8 @@ def _write_catalog(path: Path, url: str | None, max_new_tokens: int = 256, targe
     b1["sources"] = [{"path": str(REPO_ROOT / "catalogs" / "demo_data" / "B1_glaive.json"), "format": "glaive"}]
     b1["limit"] = 6
     b1["sampling"]["max_new_tokens"] = max_new_tokens
+    # every reply is "short" (under 1,000 tokens) and the warn level is 0: response_length WARNs, downstream goes on
+    b1["thresholds"].update(short_tokens=1000, max_share_short_warn=0.0, max_share_short_error=1.0)
     base["partitions"] = {"B1_glaive": b1}
     path.write_text(yaml.safe_dump(base))
     return path
@@ -97,8 +99,20 @@ def switched(demo_target, tmp_path_factory):
     return out
 
 
+def test_a_warning_check_is_a_warn_severity_failure_of_its_partition_and_blocks_nothing(switched):
+    first = switched["first"]
+    assert first.success and switched["good_shards"] and switched["good_qc"] > 0
+    checks = {e.check_name: e for e in first.get_asset_check_evaluations()}
+    length = checks["response_length"]
+    assert (length.passed, length.severity) == (False, dg.AssetCheckSeverity.WARN)  # the UI's warning, not "Passed"
+    assert length.partition == "B1_glaive" and checks["token_structure"].partition == "B1_glaive"
+    assert length.description.startswith("WARN: share_under_short = 1 > threshold 0")
+    assert first.asset_materializations_for_node("length_report")  # a warning stops nothing downstream
+    table = first.asset_materializations_for_node("length_report")[0].metadata["length_table"]
+    assert {r.data["span"] for r in table.value.records} == {"total", "reasoning", "answer"}  # inline, as a table
+
+
 def test_serving_the_same_weights_another_way_is_the_same_target(switched):
-    assert switched["first"].success and switched["good_shards"] and switched["good_qc"] > 0
     assert switched["versions"][None] == switched["versions"][REFUSING]
     assert switched["same_model_dead_url"].success
     meta = switched["same_model_dead_url"].asset_materializations_for_node("generations")[0].metadata
@@ -130,6 +144,8 @@ def test_the_cli_summary_names_the_url_and_error_and_does_not_train(switched):
     assert reason.startswith("  step generations FAILED -- server http://127.0.0.1:9 is not serving: "), cli
     assert "Cannot connect to host 127.0.0.1:9" in reason
     assert "training: not attempted: no partition passed" in cli
+    # the records raw_prompts set aside, by reason, with the file naming each (B1's source plants 3 bad records)
+    assert any(l.startswith("  raw_prompts: 3 of ") and "rejected (" in l and "rejects.parquet" in l for l in lines)
     assert "length report" not in cli.split("partition B1_glaive")[1] or "FAILED" in cli
     log = [l for l in lines if l.startswith("Dagster's output (every event of every run): ")]
     assert len(log) == 1 and "DEBUG" not in cli

@@ -117,9 +117,23 @@ def test_truncated_partition_fails_blocking_check_and_stops_downstream(pipeline)
 def test_training_uses_passing_partitions_and_exports_valid_checkpoint(pipeline):
     from eagle_assets.drafter.export import validate_checkpoint
 
+    from eagle_assets.assets.automation import unsynced
+    from eagle_assets.assets.inputs import report_observations
+    from eagle_assets.assets.versions import global_input_versions
+    from eagle_assets.cli import acceptance_line
+    from eagle_assets.definitions import TRAINING_JOB_INPUTS
+
     defs, instance, store = pipeline
+    # as `eagle-assets run` does: the job's inputs observed before it, so its first materializations record them
+    catalog = defs.resources["settings"].catalog()
+    report_observations(instance, [v for v in global_input_versions(catalog) if v.key in TRAINING_JOB_INPUTS])
     result = defs.resolve_job_def(TRAINING_JOB).execute_in_process(instance=instance)
     assert result.success
+    stale = unsynced(instance, defs.resolve_asset_graph())  # what the UI's "Unsynced" badge shows
+    assert not {k: v for k, v in stale.items() if k[0] in ("draft_vocab", "training_mix", "drafter_checkpoint")}, \
+        stale
+    line = acceptance_line(result)  # what the CLI prints when training passes
+    assert line is not None and "mean held-out tau" in line
     vocab_meta = result.asset_materializations_for_node("draft_vocab")[0].metadata
     assert "B1_cut" in vocab_meta["excluded_partitions"].value
     mix_meta = result.asset_materializations_for_node("training_mix")[0].metadata

@@ -63,7 +63,7 @@ _DESCRIPTIONS = {
     SAMPLING_SETTINGS: "A partition's SGLang sampling params.",
     QC_SETTINGS: "A partition's QC thresholds and tool_call_in_reasoning rule.",
     TARGET_TOKENIZER: "The target's tokenizer files and chat template, eos ids and profile overrides.",
-    TARGET_MODEL: "The target's config and weight files, and how a launched server runs them.",
+    TARGET_MODEL: "The target's config and weight files: what is served, whichever way the server was started.",
     TRAINING_SETTINGS: "The catalog's training block.",
 }
 
@@ -87,6 +87,19 @@ def observation_event(version: InputVersion) -> dg.AssetObservation:
         asset_key=version.key, partition=version.partition, tags={DATA_VERSION_TAG: version.data_version},
         metadata={"inputs": dg.MetadataValue.json(version.facts)},
     )
+
+
+def report_observations(instance: dg.DagsterInstance, versions: list[InputVersion]) -> None:
+    """Report ``versions`` (those that could be read) as runless observations now, as the ``inputs_sensor`` does.
+
+    A job's observation steps have no step dependency on the assets that read them (Dagster's asset jobs wire
+    none from observable source assets), so in ``training_job`` the in-process executor ran ``draft_vocab`` before
+    ``global_inputs``: on a first run the materialization recorded no input version and showed Unsynced as soon as
+    the observation landed. A runner that observes the job's inputs first (``eagle-assets run``) has every
+    materialization record the current input versions."""
+    for version in versions:
+        if not version.problem:
+            instance.report_runless_asset_event(observation_event(version))
 
 
 def build_input_assets(partitions_def: dg.PartitionsDefinition) -> list:

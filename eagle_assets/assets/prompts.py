@@ -28,6 +28,18 @@ def _first_mode(spec):
     return thinking_modes(spec.enable_thinking)[0][1]
 
 
+def _shown_format(path, fmt: str) -> str:
+    """``fmt``, or for ``auto`` the layout detection picks (``formats.detect_format``, which the parse uses too)."""
+    if fmt != "auto":
+        return fmt
+    from eagle_assets.formats import FormatError, detect_format
+
+    try:
+        return f"auto (detected: {detect_format(path)})"
+    except (FormatError, OSError, ValueError) as exc:
+        return f"auto (no layout detected: {exc})"
+
+
 def _reason_table(counts: Counter) -> dg.MetadataValue:
     rows = "\n".join(f"| {k} | {v} |" for k, v in counts.most_common())
     return dg.MetadataValue.md("| reason | rows |\n|---|---|\n" + (rows or "| (none) | 0 |"))
@@ -54,7 +66,7 @@ def _raw_prompts_partition(context: dg.AssetExecutionContext, settings: Pipeline
     chunk = (spec.chunk, spec.chunks) if spec.chunk is not None else None
     if chunk is None:  # a chunk logs the sources only when its run parses them (below)
         for path, fmt in sources:
-            context.log.info(f"reading {path} as {fmt}")
+            context.log.info(f"reading {path} as {_shown_format(path, fmt)}")
     # one streaming pass (raw_prompts.write): compact duplicate ids, a bounded sample selection, row groups
     # written as they come, so memory does not grow with the partition
     # a chunk: the dataset's sources are parsed once, by the first run of its chunks to need them, into a

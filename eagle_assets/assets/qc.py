@@ -12,6 +12,7 @@ partition: their one ``qc_shards`` partition's checks already are the dataset's.
 """
 
 
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -65,6 +66,24 @@ def _severity(outcome: Outcome) -> dg.AssetCheckSeverity:
     return dg.AssetCheckSeverity.ERROR if outcome.level == "ERROR" else dg.AssetCheckSeverity.WARN
 
 
+def _partition_check(name: str, asset: str, partitions_def: dg.PartitionsDefinition,
+                     description: str) -> dg.AssetCheckSpec:
+    """A blocking check whose evaluations carry their partition key, so the UI shows each partition's result on
+    that partition (``AssetCheckSpec.partitions_def``, a preview feature of the pinned Dagster 1.13)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        return dg.AssetCheckSpec(name, asset=asset, blocking=True, partitions_def=partitions_def,
+                                 description=description)
+
+
+def _check_result(name: str, outcome: Outcome, **kwargs) -> dg.AssetCheckResult:
+    """A check's result as the UI should show it: passed only at level OK; a WARN finding is a failed check of
+    WARN severity (Dagster's "warning", which blocks nothing: only an ERROR-severity failure of a blocking check
+    stops downstream steps, ``dagster/_core/execution/plan/execute_step.py``)."""
+    return dg.AssetCheckResult(check_name=name, passed=outcome.level == "OK", severity=_severity(outcome),
+                               description=outcome.description(), **kwargs)
+
+
 def _check_metadata(outcome: Outcome, thresholds: dict, extra: dict | None = None) -> dict:
     lines = ["| figure | value | threshold (warn / error) |", "|---|---|---|"]
     for name, value in outcome.figures.items():
@@ -94,10 +113,10 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
         deps=["generations", "tokenized_prompts"],
         kinds={"parquet"},
         check_specs=[
-            dg.AssetCheckSpec("token_structure", asset="qc_shards", blocking=True,
-                              description="share of generated rows dropped for broken structure, per reason"),
-            dg.AssetCheckSpec("response_length", asset="qc_shards", blocking=True,
-                              description="median, p10, share short and share truncated vs catalog thresholds"),
+            _partition_check("token_structure", "qc_shards", partitions_def,
+                             "share of generated rows dropped for broken structure, per reason"),
+            _partition_check("response_length", "qc_shards", partitions_def,
+                             "median, p10, share short and share truncated vs catalog thresholds"),
         ],
     )
     def qc_shards(context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel):
@@ -183,18 +202,10 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
                 **_by_turn_metadata(spec, out, layout.stage_dir("generations", key)),
             }
         )
-        yield dg.AssetCheckResult(
-            check_name="token_structure", passed=structure.passed, severity=_severity(structure),
-            description=structure.description(),
-            metadata=_check_metadata(structure, thresholds, {
-                "drop_reasons": dg.MetadataValue.json(all_reasons)}),
-        )
-        yield dg.AssetCheckResult(
-            check_name="response_length", passed=length.passed, severity=_severity(length),
-            description=length.description(),
-            metadata=_check_metadata(length, thresholds, {
-                "histogram": dg.MetadataValue.md(png_markdown(png, f"{key} lengths"))}),
-        )
+        yield _check_result("token_structure", structure, metadata=_check_metadata(structure, thresholds, {
+            "drop_reasons": dg.MetadataValue.json(all_reasons)}))
+        yield _check_result("response_length", length, metadata=_check_metadata(length, thresholds, {
+            "histogram": dg.MetadataValue.md(png_markdown(png, f"{key} lengths"))}))
 
     @dg.asset(group_name="quality", deps=[qc_shards], kinds={"duckdb"})
     def length_report(context: dg.AssetExecutionContext, settings: PipelineSettings) -> dg.MaterializeResult:
@@ -227,9 +238,12 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
         incomplete = sorted({catalog.resolve(k)[0] for k in missing} & set(catalog.chunked_datasets) & set(series))
         return dg.MaterializeResult(
             metadata={
-                "partitions": len(series),
+                # numbers are what the UI's Plots tab charts over materializations: the rows, not a count of names
+                "dagster/row_count": sum(r.count for r in rows if r.span == "total"),
+                "partitions": dg.MetadataValue.json(sorted(series)),
                 "missing_partitions": dg.MetadataValue.json(missing),
                 "incomplete_datasets": dg.MetadataValue.json(incomplete),
+                "length_table": _length_table(rows),
                 "report": dg.MetadataValue.md(table_md),
                 "histogram": dg.MetadataValue.md(png_markdown(png, "lengths by partition")),
                 "path": dg.MetadataValue.path(str(out / "report.md")),
@@ -238,6 +252,18 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
         )
 
     return [qc_shards, length_report]
+
+
+def _length_table(rows) -> dg.MetadataValue:
+    """The length report as Dagster table metadata (shown inline on the asset, unlike Markdown); lengths in
+    tokens, shares in [0, 1]."""
+    names = ("partition", "span", "count", "mean", "median", "p10", "p90", "share_under_short", "share_over_long",
+             "at_cap", "share_truncated")
+    kinds = {"partition": "string", "span": "string", "count": "int", "at_cap": "int"}
+    schema = dg.TableSchema(columns=[dg.TableColumn(n, kinds.get(n, "float")) for n in names])
+    records = [dg.TableRecord({n: (round(v, 4) if isinstance(v, float) else v)
+                               for n, v in ((n, getattr(r, n)) for n in names)}) for r in rows]
+    return dg.MetadataValue.table(records=records, schema=schema)
 
 
 def _by_turn_metadata(spec, qc_dir: Path, generations_dir: Path) -> dict:
@@ -334,12 +360,11 @@ def build_dataset_assets(catalog, partitions_def: dg.PartitionsDefinition) -> li
         deps=[dg.AssetDep("qc_shards", partition_mapping=mapping)],
         kinds={"parquet"},
         check_specs=[
-            dg.AssetCheckSpec("token_structure", asset="dataset_qc", blocking=True,
-                              description="share of the dataset's generated rows dropped, per reason, over all "
-                              "its chunks"),
-            dg.AssetCheckSpec("response_length", asset="dataset_qc", blocking=True,
-                              description="median, p10, share short and share truncated over all the dataset's "
-                              "chunks vs its thresholds"),
+            _partition_check("token_structure", "dataset_qc", datasets_def,
+                             "share of the dataset's generated rows dropped, per reason, over all its chunks"),
+            _partition_check("response_length", "dataset_qc", datasets_def,
+                             "median, p10, share short and share truncated over all the dataset's chunks vs its "
+                             "thresholds"),
         ],
     )
     def dataset_qc(context: dg.AssetExecutionContext, settings: PipelineSettings):
@@ -382,14 +407,9 @@ def build_dataset_assets(catalog, partitions_def: dg.PartitionsDefinition) -> li
                 "share_truncated": checks.response_length.figures.get("share_truncated", 0.0),
                 "path": dg.MetadataValue.path(str(out)),
             })
-        yield dg.AssetCheckResult(
-            check_name="token_structure", passed=checks.token_structure.passed,
-            severity=_severity(checks.token_structure), description=checks.token_structure.description(),
-            metadata=_check_metadata(checks.token_structure, thresholds,
-                                     {"drop_reasons": dg.MetadataValue.json(all_reasons)}))
-        yield dg.AssetCheckResult(
-            check_name="response_length", passed=checks.response_length.passed,
-            severity=_severity(checks.response_length), description=checks.response_length.description(),
-            metadata=_check_metadata(checks.response_length, thresholds))
+        yield _check_result("token_structure", checks.token_structure, metadata=_check_metadata(
+            checks.token_structure, thresholds, {"drop_reasons": dg.MetadataValue.json(all_reasons)}))
+        yield _check_result("response_length", checks.response_length,
+                            metadata=_check_metadata(checks.response_length, thresholds))
 
     return [dataset_qc]

@@ -63,6 +63,19 @@ class Catalog(StrictModel):
         """The catalog file this was loaded from."""
         return self._path
 
+    def warnings(self) -> list[str]:
+        """Settings that are valid but defeat themselves, one line each with what to change (empty when none):
+        a partition whose ``sampling.max_new_tokens`` is below its ``thresholds.short_tokens`` can only produce
+        rows the ``response_length`` check counts as short."""
+        out = []
+        for key, spec in self.partitions.items():
+            cap, short = spec.sampling.max_new_tokens, spec.thresholds.short_tokens
+            if cap < short:
+                out.append(f"partitions.{key}: sampling.max_new_tokens {cap} is below thresholds.short_tokens {short}, "
+                           "so every reply counts as short (response_length warns at max_share_short_warn); lower "
+                           "thresholds.short_tokens or raise max_new_tokens")
+        return out
+
     @property
     def dataset_keys(self) -> list[str]:
         """Dataset keys (the entries under ``partitions``) in file order."""
