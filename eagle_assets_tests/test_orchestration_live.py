@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
+from dagster._core.execution.backfill import BulkActionStatus
 import pytest
 import yaml
 from dagster._core.instance.ref import InstanceRef
@@ -134,8 +135,10 @@ def _catalog(root: Path, target: Path) -> Path:
              "max_share_dropped_error": 1.0}
     b1.update(sources=[{"path": "data/B1_glaive.json", "format": "glaive"}], limit=4,
               thresholds={**b1["thresholds"], **loose})
+    # B2's response_length warns (every reply is under short_tokens and the warn level is 0): a WARN-severity result
+    # of its partition, which blocks nothing
     b2.update(sources=[{"path": "data/B2_code.jsonl", "format": "opencodeinstruct"}], limit=4,
-              thresholds={**b2["thresholds"], **loose})
+              thresholds={**b2["thresholds"], **loose, "max_share_short_warn": 0.0})
     catalog = {
         "target": {"model": str(target)},
         "server": {"url": None, "launch": "embedded", "api_key_env": KEY_ENV, "concurrency": 8},
@@ -332,6 +335,23 @@ def test_ui_in_chromium_shows_graph_and_partition_checks_and_launches_a_backfill
             expect(body).to_contain_text("Check response_length succeeded for materialization of qc_shards")
             page.screenshot(path=str(shots / "partition_checks.png"))
 
+            # A check that warns is a warning of its partition, not a green "Passed"
+            b2 = next(r for r in backfilled if r.tags["dagster/partition"] == "B2_code")
+            page.goto(base + f"/runs/{b2.run_id}?selection=qc_shards&logs=step%3Aqc_shards")
+            body = page.locator("body")
+            expect(body).to_contain_text("partition: B2_code")
+            expect(body).to_contain_text("Check response_length failed for materialization of qc_shards")
+            expect(body).to_contain_text(re.compile(r"level\s*WARN"))  # the check's own level, in its metadata
+            page.screenshot(path=str(shots / "partition_check_warn.png"))
+            # the asset's Checks tab: the latest response_length result is B2_code's, a failure with a warning
+            # icon, its WARN finding as the description, the partition named
+            page.goto(base + "/assets/qc_shards?view=checks&checkDetail=response_length")
+            body = page.locator("body")
+            expect(body).to_contain_text("WARN: share_under_short = 1 > threshold 0")
+            expect(body).to_contain_text(re.compile(r"Evaluation result.*Failed.*Partition\s*B2_code", re.DOTALL))
+            page.wait_for_timeout(1000)
+            page.screenshot(path=str(shots / "check_warn.png"))
+
             # A backfill of all partitions from the UI, one run per partition (the asset's BackfillPolicy).
             page.goto(base + "/assets/raw_prompts")
             page.get_by_role("button", name="Materialize…").click()
@@ -362,6 +382,11 @@ def test_ui_in_chromium_shows_graph_and_partition_checks_and_launches_a_backfill
     assert sorted(r.tags["dagster/asset_partition_range_start"] for r in runs) == ["B1_glaive", "B2_code"]
     assert all(r.tags["dagster/asset_partition_range_end"] == r.tags["dagster/asset_partition_range_start"]
                for r in runs)
+    # and the backfill itself done: the automation test below starts its sensor next, and a backfill still "in
+    # progress" over raw_prompts would hold back tokenized_prompts (~any_deps_in_progress) but not qc_shards,
+    # splitting one chain of runs into two
+    _wait("the UI backfill to complete", lambda: dep.instance.get_backfill(backfill_id).status
+          in (BulkActionStatus.COMPLETED, BulkActionStatus.COMPLETED_SUCCESS), dep, timeout=180)
 
 
 def _sensor_state(inst: dg.DagsterInstance, name: str):
