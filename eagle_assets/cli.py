@@ -64,8 +64,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     catalog = load_catalog(catalog_path)
     layout = Layout(default_storage_root(), catalog_path.stem)
     files = [layout.base / "qc_shards" / k / "rows.parquet" for k in catalog.partition_keys]
-    short = min((p.thresholds.short_tokens for p in catalog.partitions.values()), default=300)
-    rows = length_report([f for f in files if f.exists()], short_tokens=short)
+    rows = length_report([f for f in files if f.exists()], short_tokens=catalog.short_tokens())
     if not rows:
         print(f"no QC rows under {layout.base}: run `eagle-assets run --catalog {catalog_path}` first")
         return 1
@@ -112,8 +111,9 @@ def failure_lines(result) -> list[str]:
 
 
 def reject_lines(layout, key: str) -> list[str]:
-    """What the stages of partition ``key`` set aside: records ``raw_prompts`` rejected and prompts
-    ``tokenized_prompts`` refused, by reason, with the file that names each one (nothing when none)."""
+    """What the stages of partition ``key`` set aside: records ``raw_prompts`` rejected, prompts
+    ``tokenized_prompts`` refused and replies ``qc_shards`` dropped, by reason, with the file that names each one
+    (nothing when none)."""
     import pyarrow.parquet as pq
 
     from eagle_assets.storage.shards import safe_name
@@ -128,12 +128,24 @@ def reject_lines(layout, key: str) -> list[str]:
         if not reasons:
             continue
         kept = pq.read_metadata(prompts).num_rows if prompts.exists() else 0
-        counts: dict[str, int] = {}
-        for r in reasons:
-            counts[r] = counts.get(r, 0) + 1
-        by_reason = ", ".join(f"{r} {n}" for r, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-        lines.append(f"  {stage}: {len(reasons)} of {len(reasons) + kept} rejected ({by_reason}); see {rejects}")
+        lines.append(f"  {stage}: {len(reasons)} of {len(reasons) + kept} rejected ({_by_reason(reasons)}); "
+                     f"see {rejects}")
+    qc_rows = layout.base / "qc_shards" / safe_name(key) / "rows.parquet"
+    if qc_rows.exists():  # replies qc_shards dropped (the token_structure check's figures, as counts)
+        table = pq.read_table(qc_rows, columns=["kept", "drop_reason"])
+        dropped = [r for k, r in zip(table.column("kept").to_pylist(), table.column("drop_reason").to_pylist())
+                   if not k]
+        if dropped:
+            lines.append(f"  qc_shards: {len(dropped)} of {table.num_rows} replies dropped ({_by_reason(dropped)}); "
+                         f"see {qc_rows} (docs/token-structure.md names each reason)")
     return lines
+
+
+def _by_reason(reasons: list[str]) -> str:
+    """``"reason n, ..."``, most frequent first."""
+    from collections import Counter
+
+    return ", ".join(f"{r} {n}" for r, n in Counter(reasons).most_common())
 
 
 def acceptance_line(result) -> str | None:
@@ -288,6 +300,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _run_jobs(args: argparse.Namespace, defs, instance, catalog, catalog_path: Path, layout, keys: list[str]) -> int:
     """The runs of ``eagle-assets run`` (see the module doc), one summary block per run on stdout."""
+    import dagster as dg
+
     from eagle_assets.assets.dataset_runs import RAW_PROMPTS, run_raw_prompts_over_chunks
     from eagle_assets.definitions import DATASET_JOB, PARTITION_JOB, TRAINING_JOB
 
@@ -359,15 +373,26 @@ def _run_jobs(args: argparse.Namespace, defs, instance, catalog, catalog_path: P
         report_observations(instance, [v for v in global_input_versions(catalog, defs.resources["target"].cache_root)
                                        if v.key in TRAINING_JOB_INPUTS])
         result = defs.resolve_job_def(TRAINING_JOB).execute_in_process(instance=instance, raise_on_error=False)
-        print(f"training: {'ok' if result.success else 'FAILED'} in {time.monotonic() - t0:.1f} s "
-              f"(run {result.run_id})", flush=True)
+        # the drafter is written before its acceptance_length check runs: an ERROR there is a failed training
+        # for whoever reads this summary, though the run itself succeeded
+        useless = any(e.check_name == "acceptance_length" and not e.passed
+                      and e.severity == dg.AssetCheckSeverity.ERROR for e in result.get_asset_check_evaluations())
+        status = "ok" if result.success and not useless else \
+            "FAILED (the drafter barely drafts: acceptance_length ERROR)" if result.success else "FAILED"
+        print(f"training: {status} in {time.monotonic() - t0:.1f} s (run {result.run_id})", flush=True)
         tau = acceptance_line(result)
         warned = check_summary_lines(result)
         for line in failure_lines(result) + ([tau] if tau and not any("acceptance_length" in w for w in warned)
                                              else []) + warned:
             print(line, flush=True)
         ckpt = layout.base / "drafter_checkpoint" / "checkpoint"
-        if result.success:
+        if useless:
+            print("  train longer or faster: training.train_tokens, epochs, lr and batch_tokens (catalogs/default.yaml "
+                  "has the embedded target's values; drafter/recipe.py explains them and gives values for 8B- and "
+                  "1T-class targets), and hold out enough rows for a stable figure (training.holdout_rows)",
+                  flush=True)
+            failed.append("training")
+        elif result.success:
             target_path = defs.resources["target"].resolve()
             print(f"drafter checkpoint: {ckpt}\n  serve with: python -m sglang.launch_server --model-path "
                   f"{target_path} --speculative-algorithm EAGLE3 --speculative-draft-model-path {ckpt}")

@@ -164,13 +164,16 @@ def claim_instance(catalog_path: str | Path) -> None:
         Path(home).mkdir(parents=True, exist_ok=True)
         marker.write_text(catalog_path + "\n")
     elif recorded != catalog_path:
+        stem = Path(catalog_path).stem
+        fix = (f"give this catalog another file name: catalogs are told apart by file name, and two named {stem}.yaml "
+               f"also share the storage folder <storage root>/{stem}/" if Path(recorded).stem == stem else
+               "run it with a DAGSTER_HOME of its own (with DAGSTER_HOME unset, eagle-assets run uses "
+               f"<repo>/dagster_home/{stem}/ for any catalog but catalogs/default.yaml)")
         raise CatalogError(
             catalog_path, "(DAGSTER_HOME)",
             f"the Dagster instance in {home} holds the runs of another catalog, {recorded}; in one instance the two "
             "catalogs' assets would show each other's state under the same asset keys",
-            f"use a DAGSTER_HOME of its own for this catalog (the eagle-assets CLI picks dagster_home/"
-            f"{Path(catalog_path).stem}/ when DAGSTER_HOME is unset), or delete {marker} if this is the same catalog "
-            "moved to another path")
+            f"{fix}; or, if {recorded} is this catalog moved or the repository cloned elsewhere, delete {marker}")
 
 
 defs = build_definitions()

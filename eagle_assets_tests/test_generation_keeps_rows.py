@@ -91,6 +91,13 @@ def switched(demo_target, tmp_path_factory):
             out["cli_rc"] = main(["run", "--catalog", str(_write_catalog(catalog, REFUSING, 200, demo_target))])
         out["cli"] = printed.getvalue()
         out["after_cli"] = _files(gens)
+        # a server that answers /health but refuses every /generate: the step fails with the failures by kind
+        from eagle_assets_tests.servers.stub_server import StubServer, serve_stub_in_thread
+
+        with serve_stub_in_thread(StubServer(vocab_size=2048, fault=lambda rid, attempt, body: "http_400")) as stub:
+            out["refusing"] = run(stub.url, max_new_tokens=200)
+        out["refusing_lines"] = failure_lines(out["refusing"])
+        out["after_refusing"] = _files(gens)
         out["back"] = run(server.url, max_new_tokens=200)
         out["after_back"] = read_shards(gens)
         out["staging_left"] = (gens / STAGING_DIR).exists()
@@ -132,6 +139,15 @@ def test_a_dead_server_fails_the_step_at_once_and_every_stored_row_stays(switche
     assert len(line) == 1, switched["dead_lines"]
     assert REFUSING in line[0] and "Cannot connect to host 127.0.0.1:9" in line[0], line[0]
     assert "no stored row was touched" in line[0]
+
+
+def test_a_step_whose_every_request_failed_fails_with_the_failures_by_kind_and_keeps_the_rows(switched):
+    assert not switched["refusing"].success
+    assert switched["refusing"].asset_materializations_for_node("qc_shards") == []
+    assert switched["after_refusing"] == switched["good_shards"]  # the staged regeneration had no row to promote
+    [line] = [l for l in switched["refusing_lines"] if l.startswith("  step generations FAILED -- ")]
+    assert "every one of its 6 requests failed after retries: 6 bad_request (e.g. " in line, line
+    assert "The partition keeps its 6 stored rows" in line and "failures.parquet" in line
 
 
 def test_the_cli_summary_names_the_url_and_error_and_does_not_train(switched):

@@ -36,6 +36,16 @@ def test_length_report_figures(tmp_path):
     assert "| A | total | 5 | 40.0 | 30.0 |" in md
 
 
+def test_each_partition_is_short_by_its_own_line(tmp_path):
+    a = _rows(tmp_path, "A", [10, 20, 30, 40, 100], [5, 10, 15, 20, 50], ["stop"] * 5)
+    b = _rows(tmp_path, "B", [500, 1500], [400, 1000], ["stop", "stop"], cap=2000)
+    rows = {(r.partition, r.span): r for r in length_report([a, b], short_tokens={"A": 35, "B": 1000})}
+    assert rows[("A", "total")].share_under_short == 0.6 and rows[("B", "total")].share_under_short == 0.5
+    # a partition the mapping does not name uses the catalog default, 300
+    rows = {(r.partition, r.span): r for r in length_report([a, b], short_tokens={"A": 35})}
+    assert rows[("B", "total")].share_under_short == 0.0 and rows[("A", "total")].share_under_short == 0.6
+
+
 def test_length_report_empty():
     assert length_report([]) == []
 

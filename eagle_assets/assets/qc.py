@@ -216,8 +216,8 @@ def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDe
         layout = settings.layout()
         files = [layout.stage_dir("qc_shards", k) / ROWS_FILE for k in catalog.partition_keys]
         present = [f for f in files if f.exists()]
-        short = min((p.thresholds.short_tokens for p in catalog.partitions.values()), default=300)
-        rows = compute_length_report(present, short_tokens=short)
+        short = min((p.thresholds.short_tokens for p in catalog.partitions.values()), default=300)  # the plot's line
+        rows = compute_length_report(present, short_tokens=catalog.short_tokens())
         out = layout.stage_dir("length_report")
         table_md = format_table(rows)
         (out / "report.md").write_text(table_md + "\n")

@@ -63,6 +63,10 @@ class Catalog(StrictModel):
         """The catalog file this was loaded from."""
         return self._path
 
+    def short_tokens(self) -> dict[str, int]:
+        """Each dataset's ``thresholds.short_tokens`` by dataset key (the ``partition`` column of its QC rows)."""
+        return {key: spec.thresholds.short_tokens for key, spec in self.partitions.items()}
+
     def warnings(self) -> list[str]:
         """Settings that are valid but defeat themselves, one line each with what to change (empty when none):
         a partition whose ``sampling.max_new_tokens`` is below its ``thresholds.short_tokens`` can only produce

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import duckdb
+import pyarrow as pa
 
 # The figures every report carries, per partition and per span (total, reasoning, answer).
 REPORT_COLUMNS = (
@@ -38,9 +39,13 @@ class LengthRow:
 
 
 def length_report(
-    rows_files: Sequence[Path], short_tokens: int = 300, long_tokens: int = 1000, threads: int | None = None
+    rows_files: Sequence[Path], short_tokens: int | Mapping[str, int] = 300, long_tokens: int = 1000,
+    threads: int | None = None
 ) -> list[LengthRow]:
     """Compute the length table over ``rows_files`` with DuckDB.
+
+    ``short_tokens``: the "short" line, one for all partitions or per partition (a partition missing from the
+    mapping uses 300, the catalog's default), so each line's ``share_under_short`` is its own check's figure.
 
     Every generated row counts (kept or dropped), so truncation shows; ``at_cap`` counts rows whose
     ``completion_tokens`` reached ``max_new_tokens``. Quantiles are DuckDB's ``quantile_cont`` (linear).
@@ -52,8 +57,15 @@ def length_report(
     if not files:
         return []
     con = duckdb.connect(config={"threads": threads} if threads else {})
+    shorts = dict(short_tokens) if isinstance(short_tokens, Mapping) else {}
+    default_short = 300 if shorts else int(short_tokens)
     try:
-        con.read_parquet(files, union_by_name=True).create_view("r")
+        con.read_parquet(files, union_by_name=True).create_view("rows_in")
+        con.register("shorts", pa.table({"partition": pa.array(list(shorts), pa.string()),
+                                         "short": pa.array(list(shorts.values()), pa.int64())}))
+        # a view cannot take a prepared parameter: the default is an int formatted into the statement
+        con.execute(f"CREATE VIEW r AS SELECT rows_in.*, coalesce(shorts.short, {int(default_short)}) AS short_line "
+                    "FROM rows_in LEFT JOIN shorts USING (partition)")
         spans = {"total": "completion_tokens", "reasoning": "reasoning_tokens", "answer": "answer_tokens"}
         parts = []
         for span, col in spans.items():
@@ -62,7 +74,7 @@ def length_report(
                 SELECT partition, '{span}' AS span, count(*) AS count, avg({col}) AS mean,
                        quantile_cont({col}, 0.5) AS median, quantile_cont({col}, 0.1) AS p10,
                        quantile_cont({col}, 0.9) AS p90,
-                       avg(CASE WHEN {col} < $short THEN 1.0 ELSE 0.0 END) AS share_under_short,
+                       avg(CASE WHEN {col} < short_line THEN 1.0 ELSE 0.0 END) AS share_under_short,
                        avg(CASE WHEN {col} > $long THEN 1.0 ELSE 0.0 END) AS share_over_long,
                        sum(CASE WHEN completion_tokens >= max_new_tokens THEN 1 ELSE 0 END) AS at_cap,
                        avg(CASE WHEN finish_reason = 'length' THEN 1.0 ELSE 0.0 END) AS share_truncated,
@@ -70,7 +82,7 @@ def length_report(
                 FROM r GROUP BY partition"""
             )
         sql = " UNION ALL ".join(parts) + " ORDER BY partition, span_order"
-        result = con.execute(sql, {"short": short_tokens, "long": long_tokens}).fetchall()
+        result = con.execute(sql, {"long": long_tokens}).fetchall()
     finally:
         con.close()
     return [
