@@ -366,12 +366,6 @@ def _run_jobs(args: argparse.Namespace, defs, instance, catalog, catalog_path: P
               flush=True)
     elif not args.skip_training:
         t0 = time.monotonic()
-        from eagle_assets.assets.inputs import report_observations
-        from eagle_assets.assets.versions import global_input_versions
-        from eagle_assets.definitions import TRAINING_JOB_INPUTS
-
-        report_observations(instance, [v for v in global_input_versions(catalog, defs.resources["target"].cache_root)
-                                       if v.key in TRAINING_JOB_INPUTS])
         result = defs.resolve_job_def(TRAINING_JOB).execute_in_process(instance=instance, raise_on_error=False)
         # the drafter is written before its acceptance_length check runs: an ERROR there is a failed training
         # for whoever reads this summary, though the run itself succeeded

@@ -118,17 +118,16 @@ def test_training_uses_passing_partitions_and_exports_valid_checkpoint(pipeline)
     from eagle_assets.drafter.export import validate_checkpoint
 
     from eagle_assets.assets.automation import unsynced
-    from eagle_assets.assets.inputs import report_observations
-    from eagle_assets.assets.versions import global_input_versions
     from eagle_assets.cli import acceptance_line
-    from eagle_assets.definitions import TRAINING_JOB_INPUTS
 
     defs, instance, store = pipeline
-    # as `eagle-assets run` does: the job's inputs observed before it, so its first materializations record them
-    catalog = defs.resources["settings"].catalog()
-    report_observations(instance, [v for v in global_input_versions(catalog) if v.key in TRAINING_JOB_INPUTS])
+    # training_settings has never been observed in this instance: the job's own observation step must run before
+    # the assets that read it (assets.inputs.AFTER_OBSERVATIONS), or they record no input version and show Unsynced
+    assert instance.get_latest_data_version_record(dg.AssetKey("training_settings"), is_source=True) is None
     result = defs.resolve_job_def(TRAINING_JOB).execute_in_process(instance=instance)
     assert result.success
+    starts = [e.step_key for e in result.all_events if e.event_type_value == "STEP_START"]
+    assert starts.index("global_inputs") < starts.index("draft_vocab") < starts.index("drafter_checkpoint")
     stale = unsynced(instance, defs.resolve_asset_graph())  # what the UI's "Unsynced" badge shows
     assert not {k: v for k, v in stale.items() if k[0] in ("draft_vocab", "training_mix", "drafter_checkpoint")}, \
         stale

@@ -89,17 +89,13 @@ def observation_event(version: InputVersion) -> dg.AssetObservation:
     )
 
 
-def report_observations(instance: dg.DagsterInstance, versions: list[InputVersion]) -> None:
-    """Report ``versions`` (those that could be read) as runless observations now, as the ``inputs_sensor`` does.
-
-    A job's observation steps have no step dependency on the assets that read them (Dagster's asset jobs wire
-    none from observable source assets), so in ``training_job`` the in-process executor ran ``draft_vocab`` before
-    ``global_inputs``: on a first run the materialization recorded no input version and showed Unsynced as soon as
-    the observation landed. A runner that observes the job's inputs first (``eagle-assets run``) has every
-    materialization record the current input versions."""
-    for version in versions:
-        if not version.problem:
-            instance.report_runless_asset_event(observation_event(version))
+# Op tags of the assets a job starts with besides its observation steps (raw_prompts, draft_vocab, training_mix):
+# Dagster's asset jobs wire no step dependency from an observable source asset to the assets that read it, and the
+# executors start ready steps by their ``dagster/priority`` tag, then in plan order (alphabetical among the roots:
+# training_job ran draft_vocab before global_inputs, so a first run's materialization recorded no training_settings
+# version and showed Unsynced once the observation landed). One below the default, so the observations run first
+# (in the in-process executor, before; in parallel executors they are launched first).
+AFTER_OBSERVATIONS = {"dagster/priority": "-1"}
 
 
 def build_input_assets(partitions_def: dg.PartitionsDefinition) -> list:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import dagster as dg
 
+from eagle_assets.assets.inputs import AFTER_OBSERVATIONS
 from eagle_assets.assets.dataset_runs import materialization_tags
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.versions import directory_content_version
@@ -127,6 +128,7 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         partitions_def=partitions_def,
         group_name="prompts",
         kinds={"parquet"},
+        op_tags=AFTER_OBSERVATIONS,
         # a run over a range of keys (assets.dataset_runs) reports each key's materialization itself, so the output
         # is not required; a run of one key yields it as every run did before
         output_required=False,

@@ -13,6 +13,7 @@ from typing import Any
 import dagster as dg
 import numpy as np
 
+from eagle_assets.assets.inputs import AFTER_OBSERVATIONS
 from eagle_assets.assets.qc import passing_partitions
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.server_resource import SGLangServerResource
@@ -39,7 +40,7 @@ def build_training_assets(full_asset_graph: Callable[[], Any] | None = None) -> 
     ``full_asset_graph``: returns the whole asset graph these assets are part of, for the checkpoint's provenance
     in runs that have no repository (``execute_in_process``); ``build_definitions`` passes its own."""
 
-    @dg.asset(group_name="drafter", deps=["qc_shards"], kinds={"numpy"})
+    @dg.asset(group_name="drafter", deps=["qc_shards"], kinds={"numpy"}, op_tags=AFTER_OBSERVATIONS)
     def draft_vocab(context: dg.AssetExecutionContext, settings: PipelineSettings,
                     target: TargetModel) -> dg.MaterializeResult:
         """Draft vocab (d2t, t2d) from token counts over loss-masked completion tokens of every passing partition."""
@@ -87,7 +88,7 @@ def build_training_assets(full_asset_graph: Callable[[], Any] | None = None) -> 
             "path": dg.MetadataValue.path(str(out)),
         })
 
-    @dg.asset(group_name="drafter", deps=["qc_shards"], kinds={"parquet"})
+    @dg.asset(group_name="drafter", deps=["qc_shards"], kinds={"parquet"}, op_tags=AFTER_OBSERVATIONS)
     def training_mix(context: dg.AssetExecutionContext, settings: PipelineSettings) -> dg.MaterializeResult:
         """Rows the drafter trains on: a token budget split by partition weights, with caps on short-row buckets."""
         import pyarrow as pa
