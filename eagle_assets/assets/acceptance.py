@@ -28,6 +28,10 @@ def thinking_mode_groups(held) -> dict[str, list]:
     return out if set(out) - {"default"} else {}
 
 
+# Fewer held-out test rows than this make the mean tau a figure to read with its CI: the description says so.
+THIN_TEST_ROWS = 20
+
+
 def acceptance_check(t, heldout, unseen, missing: list[str], png_fn, unseen_note: str | None = None,
                      by_mode=None) -> dg.AssetCheckResult:
     """The ``acceptance_length`` check: ERROR when the mean held-out tau is at or under ``1 + min_tau_margin``,
@@ -42,13 +46,18 @@ def acceptance_check(t, heldout, unseen, missing: list[str], png_fn, unseen_note
     passed = mean_tau > error_at
     warn = mean_tau < warn_under
     spread = f" (95% CI {ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
-    text = (f"mean held-out tau {mean_tau:.3f}{spread} over {len(heldout.groups)} partitions, "
-            f"{sum(heldout.rows.values())} test rows, k={t.acceptance_k}")
+    n_parts, n_rows = len(heldout.groups), sum(heldout.rows.values())
+    text = (f"mean held-out tau {mean_tau:.3f}{spread} over {n_parts} partition{'s' if n_parts != 1 else ''}, "
+            f"{n_rows} test rows, k={t.acceptance_k}")
     if unseen is not None:
         u_ci = f" (95% CI {unseen.tau_ci95[0]:.2f}-{unseen.tau_ci95[1]:.2f})" if unseen.tau_ci95 else ""
         text += f"; unseen-source tau {unseen.tau:.3f}{u_ci} on {unseen.n_rows} rows"
     level = "ERROR" if not passed else "WARN" if warn else "OK"
-    text = f"{level}: {text} (levels: error at or under {error_at:g}, warn under {warn_under:g})"
+    text = (f"{level}: {text} (levels, on the held-out mean: error at or under {error_at:g} = 1 + "
+            f"training.min_tau_margin, warn under training.tau_warn {warn_under:g})")
+    if n_rows < THIN_TEST_ROWS:
+        text += (f"; only {n_rows} test rows: read the CI, not the figure (more source rows, or a larger "
+                 "training.holdout_fraction / holdout_rows)")
     if missing:
         text += f"; no held-out rows for {missing} (left out of the mean)"
     if unseen_note:
