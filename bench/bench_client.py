@@ -2,7 +2,7 @@
 
 Both clients talk to ``eagle_assets_tests.servers.stub_server`` running in SEPARATE processes (so the server never shares
 the client's event loop or GIL), send the same SGLang-native bodies and validate every reply with the same
-``parse_reply`` (ids are ints inside the vocab, ``len(output_ids) == completion_tokens``, finish reason, rid).
+``parse_generate_reply`` (ids are ints inside the vocab, ``len(output_ids) == completion_tokens``, finish reason, rid).
 
 Runs (issue "Generation at production grade", item 7):
   (a) instant server, fixed 1,000-token outputs: sustained requests/s of one client process.
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle_assets.serving.client import GenerateClient, run_sync  # noqa: E402
 from eagle_assets.serving.launch import READY_PREFIX  # noqa: E402
-from eagle_assets.serving.protocol import GenerateReply, ReplyError, SamplingParams, parse_reply  # noqa: E402
+from eagle_assets.serving.protocol import GenerateReply, ReplyError, SamplingParams, parse_generate_reply  # noqa: E402
 from schedstat import runq_wait_s  # noqa: E402
 
 VOCAB = 32000
@@ -105,7 +105,8 @@ def run_ours(url: str, items, sampling: SamplingParams, concurrency: int) -> dic
 
 
 def run_threads(url: str, items, sampling: SamplingParams, concurrency: int) -> dict:
-    """Thread-pool client: one blocking ``requests`` call per worker, each reply parsed with ``parse_reply``."""
+    """Thread-pool client: one blocking ``requests`` call per worker, each reply parsed with
+    ``parse_generate_reply``."""
     import requests
 
     local = threading.local()
@@ -122,7 +123,7 @@ def run_threads(url: str, items, sampling: SamplingParams, concurrency: int) -> 
         if resp.status_code != 200:
             return False
         try:
-            parse_reply(resp.content, ids, VOCAB, max_new_tokens=sampling.max_new_tokens, rid=rid)
+            parse_generate_reply(resp.content, ids, VOCAB, max_new_tokens=sampling.max_new_tokens, rid=rid)
         except ReplyError:
             return False
         return True

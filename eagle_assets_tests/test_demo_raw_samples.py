@@ -114,7 +114,7 @@ def _render(tokenizer, messages, tools):
 
 def test_all_turns_replay_of_b1_gives_the_gate_prompts_id_for_id():
     """Replaying the committed B1 conversations with the ``all_turns`` machinery (``tokenized_prompts.walk`` +
-    ``reply.parse_reply`` + ``render_prompt``), the model answering each turn with the generator's reference reply:
+    ``reply.client_message`` + ``render_prompt``), the model answering each turn with the generator's reference reply:
     every call finds its recorded result, every turn's prompt ids equal the gate's prompt for that turn, and each
     conversation is complete after 2 turns, or 3 when the record holds a follow-up.
 
@@ -123,7 +123,7 @@ def test_all_turns_replay_of_b1_gives_the_gate_prompts_id_for_id():
     wrote (``"\\n\\n" + answer``), where the generator, like a dataset, wrote the answer stripped. The demo
     target was trained on the generator's prompts (changing them changes its weights, whose gate is recorded per
     kind of CPU); the replay's follow-up prompt is the gate's with that history instead."""
-    from eagle_assets.generations.reply import parse_reply
+    from eagle_assets.generations.reply import client_message
     from eagle_assets.tokenized_prompts.walk import COMPLETE, ConversationWalk
     from eagle_assets.demo.rows import encode_sample
     from eagle_assets.structure.segment import segment_output
@@ -152,7 +152,7 @@ def test_all_turns_replay_of_b1_gives_the_gate_prompts_id_for_id():
             seg = segment_output(output_ids, "stop", profile, prompt_opens_think=rendered.opens_think,
                                  prompt_ids=rendered.prompt_ids)
             assert seg.kept, (sample.kind, seg.drop_reason)
-            parsed = parse_reply(output_ids, seg, tok, profile, prompt_opens_think=rendered.opens_think)
+            parsed = client_message(output_ids, seg, tok, profile, prompt_opens_think=rendered.opens_think)
             assert parsed.problem is None, parsed.detail
             walk.accept(parsed.message, max_turns=8)
         assert (walk.ended, walk.end_turn, walk.tool_results) == (COMPLETE, len(expected), 1)

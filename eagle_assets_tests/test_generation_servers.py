@@ -111,7 +111,7 @@ def test_real_sglang_router_in_front_of_two_servers(two_servers, router, single_
     client = GenerateClient([router], concurrency_per_server=8)
     stats = run_generation(_prompts(), tmp_path, client, SP, VOCAB)
     served = (_finished(a) - before[0], _finished(b) - before[1])
-    # every reply passed parse_reply, rid check included: the router kept each request's rid and body intact
+    # every reply passed parse_generate_reply, rid check included: the router kept each request's rid and body intact
     assert stats.succeeded == 24 and stats.failed == 0 and sum(served) == 24
     assert min(served) >= 6, f"the router must spread the work over both servers, got {served}"
     assert _rows(tmp_path) == single_server_rows

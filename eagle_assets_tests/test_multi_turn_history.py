@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle_assets.generations.reply import parse_reply, reply_spans
+from eagle_assets.generations.reply import client_message, reply_spans
 from eagle_assets.generations.rollout import RolloutSettings, render_turn, take_reply
 from eagle_assets.tokenized_prompts.walk import (COMPLETE, QC_DROPPED, RENDER_REJECTED, TOOL_RESULT_NOT_RECORDED,
                                             UNPARSEABLE_TOOL_CALL, ConversationWalk, thinking_modes, turn_row_id)
@@ -262,5 +262,5 @@ def test_a_reply_qc_drops_ends_its_conversation_and_is_never_parsed(toks):
     reasoning, answer = reply_spans(row["output_ids"], seg, prof, False)
     assert tok.decode(reasoning) == "\nx\n" and tok.decode(answer) == "\n\nHi."
     with pytest.raises(ValueError, match="another reply"):  # a segmentation of another reply is refused
-        parse_reply(row["output_ids"], dataclasses.replace(seg, answer_tokens=seg.answer_tokens + 1), tok, prof,
+        client_message(row["output_ids"], dataclasses.replace(seg, answer_tokens=seg.answer_tokens + 1), tok, prof,
                     prompt_opens_think=False)

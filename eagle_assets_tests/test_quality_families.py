@@ -15,7 +15,7 @@ detokenizer would print them). Families and templates:
 
 Each row goes through ``segment_row`` exactly as ``qc_shards`` calls it (vocab size from ``target_vocab_size``,
 control ids from ``control_token_ids``, blank ids from ``blank_token_ids``), through the live monitor, and, as a
-``/generate`` reply body, through ``parse_reply``: the three must agree (one implementation of every rule).
+``/generate`` reply body, through ``parse_generate_reply``: the three must agree (one implementation of every rule).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from eagle_assets.catalog import LiveSpec, Thresholds
 from eagle_assets.qc.live import LiveQualityMonitor
 from eagle_assets.structure.segment import DROP_REASONS, Segmentation, StructureCheck, reply_well_formed, segment_row
 from eagle_assets.qc.segment_batch import segment_rows
-from eagle_assets.serving.protocol import ReplyError, parse_reply
+from eagle_assets.serving.protocol import ReplyError, parse_generate_reply
 from eagle_assets.target_model import detect_profile, load_kimi_tokenizer, load_tokenizer, render_prompt
 from eagle_assets.target_model.profile import target_vocab_size
 from eagle_assets.target_model.render import control_token_ids
@@ -45,7 +45,7 @@ WEATHER_TOOL = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 MAX_NEW = 512
-# rules the client applies too: a reply breaking one is refused by parse_reply with the same kind
+# rules the client applies too: a reply breaking one is refused by parse_generate_reply with the same kind
 CLIENT_KINDS = {"abort", "id_out_of_vocab", "length_mismatch", "prompt_echo", "too_long", "prompt_tokens_mismatch",
                 "stop_mismatch", "unknown_finish_reason"}
 
@@ -436,7 +436,7 @@ def test_client_qc_and_live_monitor_agree(families, name):
         assert monitor.flush() == [qc], case  # the monitor's batch segmentation, row by row
         max_new = json.loads(row["sampling_params"])["max_new_tokens"]
         try:
-            parse_reply(_reply_body(row), f.prompt_ids, f.vocab, max_new_tokens=max_new, rid=row["sample_id"],
+            parse_generate_reply(_reply_body(row), f.prompt_ids, f.vocab, max_new_tokens=max_new, rid=row["sample_id"],
                         control_ids=f.control, well_formed=f.check())
         except ReplyError as exc:
             assert exc.kind == qc.drop_reason and qc.drop_reason in CLIENT_KINDS, (case, exc.kind, qc)
@@ -482,7 +482,7 @@ def test_echo_named_prompt_echo_by_qc_client_and_monitor_and_no_well_formed_repl
         if row["finish_reason"] == "length":
             body["meta_info"]["finish_reason"] = {"type": "length", "length": len(ids)}
         try:
-            parse_reply(body, f.prompt_ids, f.vocab, max_new_tokens=MAX_NEW, rid=row["sample_id"],
+            parse_generate_reply(body, f.prompt_ids, f.vocab, max_new_tokens=MAX_NEW, rid=row["sample_id"],
                         control_ids=f.control, well_formed=check)
         except ReplyError as exc:
             client = exc.kind
@@ -506,7 +506,7 @@ def test_echo_named_prompt_echo_by_qc_client_and_monitor_and_no_well_formed_repl
     for case, row in _keep_cases(f).items():
         assert f.segment(row).kept, case
         max_new = json.loads(row["sampling_params"])["max_new_tokens"]
-        parse_reply(_reply_body(row), f.prompt_ids, f.vocab, max_new_tokens=max_new, rid=row["sample_id"],
+        parse_generate_reply(_reply_body(row), f.prompt_ids, f.vocab, max_new_tokens=max_new, rid=row["sample_id"],
                     control_ids=f.control, well_formed=check)
 
 

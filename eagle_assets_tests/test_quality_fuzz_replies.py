@@ -1,4 +1,4 @@
-"""Fuzz over replies: ``parse_reply`` and the segmentation never crash, and never keep a malformed row.
+"""Fuzz over replies: ``parse_generate_reply`` and the segmentation never crash, and never keep a malformed row.
 
 "Malformed" is decided by an oracle written independently of ``segment_output``: the output ids are spelled as a
 string of token classes and a kept row must match a regular grammar of whole turns, per family rule (prompt opens
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eagle_assets.structure.segment import DROP_REASONS, segment_output, segment_row
-from eagle_assets.serving.protocol import GenerateReply, ReplyError, parse_reply
+from eagle_assets.serving.protocol import GenerateReply, ReplyError, parse_generate_reply
 from eagle_assets.target_model.profile import FamilyProfile
 
 VOCAB = 64
@@ -127,7 +127,7 @@ def test_reply_through_client_and_qc_is_kept_only_when_well_formed(row, opens, t
     body = {"text": "", "output_ids": out, "meta_info": {"id": "r", "finish_reason": fr, "prompt_tokens": len(PROMPT),
                                                          "completion_tokens": completion}}
     try:
-        reply = parse_reply(json.dumps(body), PROMPT, VOCAB, max_new_tokens=cap, rid="r", control_ids=CONTROL)
+        reply = parse_generate_reply(json.dumps(body), PROMPT, VOCAB, max_new_tokens=cap, rid="r", control_ids=CONTROL)
     except ReplyError:
         return
     assert isinstance(reply, GenerateReply) and len(reply.output_ids) == reply.completion_tokens
@@ -164,8 +164,8 @@ def test_parse_reply_never_raises_anything_but_reply_error(output_ids, finish, m
     body = raw if raw is not None else {**top, "output_ids": output_ids, "meta_info": {"finish_reason": finish,
                                                                                           **meta_extra}}
     try:
-        reply = parse_reply(body if isinstance(body, bytes) else json.dumps(body, allow_nan=True), PROMPT, VOCAB,
-                            max_new_tokens=32, control_ids=CONTROL)
+        sent = body if isinstance(body, bytes) else json.dumps(body, allow_nan=True)
+        reply = parse_generate_reply(sent, PROMPT, VOCAB, max_new_tokens=32, control_ids=CONTROL)
     except ReplyError as exc:
         assert exc.kind and exc.detail
         return

@@ -1,10 +1,10 @@
-"""``generations.reply.parse_reply`` against SGLang 0.5.23's own reasoning and tool-call parsers, and multi-turn
+"""``generations.reply.client_message`` against SGLang 0.5.23's own reasoning and tool-call parsers, and multi-turn
 history rebuilt from SGLang's parse over real HTTP.
 
 1. Every reply shape of every family (think / no think, whitespace at either end, text before and after calls,
    parallel calls, truncated, a prompt that opens the block, a call SGLang does not recognise) is written in the real
    tokenizer's ids (``../shared/data/tokenizers``, the embedded demo target's), segmented by QC's rules and parsed
-   by ``parse_reply``; the same ids decoded are parsed by SGLang's ``ReasoningParser`` + ``OpenAIServingChat.
+   by ``client_message``; the same ids decoded are parsed by SGLang's ``ReasoningParser`` + ``OpenAIServingChat.
    _process_tool_calls`` with the parsers ``SGLANG_PARSERS`` names (``sglang_parses``: live under an SGLang venv,
    else its recording). The messages must be equal, whitespace included.
 2. ``run_conversations`` regenerates conversations over HTTP against a scripted server (the stub server replying
@@ -22,7 +22,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_assets.generations.reply import SGLANG_PARSERS, UNPARSEABLE_TOOL_CALL, parse_reply
+from eagle_assets.generations.reply import SGLANG_PARSERS, UNPARSEABLE_TOOL_CALL, client_message
 from eagle_assets.structure.segment import segment_output
 from eagle_assets.target_model import detect_profile, load_kimi_tokenizer, load_tokenizer
 from sglang_parses import sglang_parses
@@ -79,7 +79,7 @@ def tokenizers(shared_data: Path, demo_target):
 
 
 def ours_and_sglang_case(tok, text: str, opens: bool, finish: str, history: int):
-    """(parse_reply's message or problem, the SGLang case of the same reply, its segmentation)."""
+    """(client_message's message or problem, the SGLang case of the same reply, its segmentation)."""
     prof = detect_profile(tok)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     seg = segment_output(ids, finish, prof, prompt_opens_think=opens,
@@ -88,13 +88,13 @@ def ours_and_sglang_case(tok, text: str, opens: bool, finish: str, history: int)
     reasoning, tool = SGLANG_PARSERS[prof.name]
     case = {"reasoning_parser": reasoning, "tool_call_parser": tool, "force_reasoning": opens,
             "text": tok.decode(body, skip_special_tokens=False), "tools": TOOLS, "history_tool_calls": history}
-    ours = parse_reply(ids, seg, tok, prof, prompt_opens_think=opens, history_tool_calls=history) \
+    ours = client_message(ids, seg, tok, prof, prompt_opens_think=opens, history_tool_calls=history) \
         if seg.kept else None
     return ours, case, seg
 
 
 def as_sglang(message: dict, family: str) -> dict:
-    """A ``parse_reply`` message in the shape ``sglang_reply_parse`` reports (Kimi's ids only: SGLang's others are
+    """A ``client_message`` message in the shape ``sglang_reply_parse`` reports (Kimi's ids only: SGLang's others are
     random)."""
     calls = message.get("tool_calls")
     return {"reasoning_content": message.get("reasoning_content"), "content": message["content"],
@@ -130,7 +130,7 @@ def test_history_reasoning_none_leaves_reasoning_out_of_the_message(tokenizers):
     prof = detect_profile(tok, {"history_reasoning": "none"})
     ids = tok(SHAPES[0][1], add_special_tokens=False)["input_ids"]
     seg = segment_output(ids, "stop", prof, prompt_opens_think=False, matched_stop=ids[-1])
-    message = parse_reply(ids, seg, tok, prof, prompt_opens_think=False).message
+    message = client_message(ids, seg, tok, prof, prompt_opens_think=False).message
     assert message == {"role": "assistant", "content": "\n\nThe answer is 4 .\n"}
     from eagle_assets.target_model.profile import ProfileError
 

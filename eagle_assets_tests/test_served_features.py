@@ -417,17 +417,17 @@ def test_refused_rows_are_counted_not_fatal(target8, served, rows):
     reply = json.loads(raw)
     reply["meta_info"]["hidden_states"][0] = reply["meta_info"]["hidden_states"][0][3:]  # a cut prefill
     with pytest.raises(ReplyRefused, match="--chunked-prefill-size") as err:
-        source.parse_reply("r0", ids, mask, json.dumps(reply).encode())
+        source.parse_features_reply("r0", ids, mask, json.dumps(reply).encode())
     assert err.value.reason == "short_prefill"
     reply = json.loads(raw)
     reply["meta_info"]["hidden_states"][0][2][5] = None  # how SGLang's orjson sends a NaN
     with pytest.raises(ReplyRefused) as err:
-        source.parse_reply("r0", ids, mask, json.dumps(reply).encode())
+        source.parse_features_reply("r0", ids, mask, json.dumps(reply).encode())
     assert err.value.reason == "non_finite"
     reply = json.loads(raw)
     reply["meta_info"]["hidden_states"] = []
     with pytest.raises(ServedFeaturesError, match="max_new_tokens 0"):
-        source.parse_reply("r0", ids, mask, json.dumps(reply).encode())
+        source.parse_features_reply("r0", ids, mask, json.dumps(reply).encode())
     # an invalid row (an id outside the vocab) is refused by the server with HTTP 400 and counted
     bad = (np.array([1, 2, 10**6, 3]), np.array([0, 0, 1, 1], dtype=np.int8))
     got = list(served_features([rows[1], bad, rows[2]], source))

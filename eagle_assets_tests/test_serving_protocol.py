@@ -1,4 +1,5 @@
-"""SamplingParams and parse_reply against SGLang's /generate shapes, including the traps DESIGN.md section 4 lists."""
+"""SamplingParams and parse_generate_reply against SGLang's /generate shapes, including the traps DESIGN.md section 4
+lists."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from eagle_assets.serving.protocol import FinishReason, ReplyError, SamplingParams, parse_reply
+from eagle_assets.serving.protocol import FinishReason, ReplyError, SamplingParams, parse_generate_reply
 
 PROMPT = [11, 12, 13, 14, 15]
 
@@ -76,22 +77,22 @@ def test_sampling_params_wire_format_uses_sglang_names():
 
 
 def test_parse_valid_stop_and_length_replies():
-    got = parse_reply(json.dumps(reply()).encode(), PROMPT, 100, max_new_tokens=8, rid="r1")
+    got = parse_generate_reply(json.dumps(reply()).encode(), PROMPT, 100, max_new_tokens=8, rid="r1")
     assert got.output_ids == [20, 21, 2] and got.completion_tokens == 3 and got.prompt_tokens == 5
     assert got.finish_reason == FinishReason(type="stop", matched=2)
     assert got.e2e_latency == 0.25 and got.cached_tokens == 0 and got.rid == "r1"
-    length = parse_reply(reply(finish={"type": "length", "length": 3}), PROMPT, 100, max_new_tokens=3)
+    length = parse_generate_reply(reply(finish={"type": "length", "length": 3}), PROMPT, 100, max_new_tokens=3)
     assert length.finish_reason.type == "length" and length.finish_reason.length == 3
     # a stop string match (FINISH_MATCHED_STR) is a stop without a token id
-    text_stop = parse_reply(reply(finish={"type": "stop", "matched": "</answer>"}), PROMPT, 100)
+    text_stop = parse_generate_reply(reply(finish={"type": "stop", "matched": "</answer>"}), PROMPT, 100)
     assert text_stop.finish_reason.matched == "</answer>"
     # one-element list form of FINISH_MATCHED_TOKEN.matched
-    assert parse_reply(reply(finish={"type": "stop", "matched": [2]}), PROMPT, 100).finish_reason.matched == 2
+    assert parse_generate_reply(reply(finish={"type": "stop", "matched": [2]}), PROMPT, 100).finish_reason.matched == 2
 
 
 def _kind(obj, **kwargs) -> ReplyError:
     with pytest.raises(ReplyError) as info:
-        parse_reply(obj, kwargs.pop("prompt", PROMPT), kwargs.pop("vocab", 100), **kwargs)
+        parse_generate_reply(obj, kwargs.pop("prompt", PROMPT), kwargs.pop("vocab", 100), **kwargs)
     return info.value
 
 
@@ -124,7 +125,8 @@ def test_ids_outside_the_vocab():
     err = _kind(reply(output_ids=[20, 100, 2]))
     assert err.kind == "id_out_of_vocab" and "output_ids[1] = 100" in err.detail
     assert _kind(reply(output_ids=[-1, 2])).kind == "id_out_of_vocab"
-    assert parse_reply(reply(output_ids=[20, 100, 2]), PROMPT, None).output_ids[1] == 100  # no vocab: no range check
+    # no vocab: no range check
+    assert parse_generate_reply(reply(output_ids=[20, 100, 2]), PROMPT, None).output_ids[1] == 100
 
 
 def test_completion_tokens_disagreement_and_prompt_echo():
@@ -184,16 +186,16 @@ def test_prompt_echo_counted_in_completion_tokens_is_found_by_the_control_id():
         assert err.retryable
     # a caller that does not know the target's tokens: 3 or more ids repeating the prompt's end are the evidence
     assert _kind(_counted_echo(3), prompt=CHAT_PROMPT).kind == "prompt_echo"
-    assert parse_reply(_counted_echo(2), CHAT_PROMPT, 100).output_ids[:2] == CHAT_PROMPT[-2:]
+    assert parse_generate_reply(_counted_echo(2), CHAT_PROMPT, 100).output_ids[:2] == CHAT_PROMPT[-2:]
     # a caller that knows the target has no control id among them: no structural evidence at all
     plain_prompt = [11, 12, 13, 91, 14, 15]
     head = reply(output_ids=[91, 14, 15, 20, 21, 2], prompt_tokens=len(plain_prompt))
-    assert parse_reply(head, plain_prompt, 100, control_ids=CONTROL).output_ids[:3] == [91, 14, 15]
+    assert parse_generate_reply(head, plain_prompt, 100, control_ids=CONTROL).output_ids[:3] == [91, 14, 15]
 
 
 def test_reply_beginning_with_ordinary_prompt_tail_ids_is_kept():
     for k in (1, 2):  # [15] and [14, 15]: ordinary ids, no evidence of an echo
-        got = parse_reply(_counted_echo(k), CHAT_PROMPT, 100, max_new_tokens=8, control_ids=CONTROL)
+        got = parse_generate_reply(_counted_echo(k), CHAT_PROMPT, 100, max_new_tokens=8, control_ids=CONTROL)
         assert got.output_ids[:k] == CHAT_PROMPT[-k:]
 
 
@@ -251,7 +253,7 @@ def test_prompt_echo_found_by_the_replys_shape_when_the_counts_agree():
         assert "well-formed for its family only without them" in err.detail and "counted in" in err.detail
         assert calls[0] == (tuple(CHAT_PROMPT), tuple(CHAT_PROMPT[-k:] + good), "stop", None)  # the request's facts
         # without the check the same reply passes (the rules of before are unchanged)
-        assert parse_reply(body, CHAT_PROMPT, 100, control_ids=CONTROL).output_ids == CHAT_PROMPT[-k:] + good
+        assert parse_generate_reply(body, CHAT_PROMPT, 100, control_ids=CONTROL).output_ids == CHAT_PROMPT[-k:] + good
     # prompt_echo_length takes the same check bound to the reply: the k it returns is the echoed head
     from eagle_assets.serving.protocol import prompt_echo_length
 
@@ -264,7 +266,7 @@ def test_prompt_echo_found_by_the_replys_shape_when_the_counts_agree():
     calls = []
     cut = reply(output_ids=CHAT_PROMPT[-2:] + [THINK, 20, 21], finish={"type": "length", "length": 8},
                 prompt_tokens=len(CHAT_PROMPT))
-    parse_reply(cut, CHAT_PROMPT, 100, max_new_tokens=8, rid="r1", control_ids=CONTROL,
+    parse_generate_reply(cut, CHAT_PROMPT, 100, max_new_tokens=8, rid="r1", control_ids=CONTROL,
                 well_formed=_toy_well_formed(calls))
     assert calls and all(c[2] == "length" and c[3] == "r1" for c in calls)
 
@@ -275,11 +277,11 @@ def test_reply_beginning_like_the_prompt_tail_and_well_formed_as_it_stands_is_ke
     for k in (1, 2):
         for tail in ([20, 21, 2], [THINK, 20, END, 21, 2][1:]):  # whole without reasoning; malformed both ways
             body = reply(output_ids=CHAT_PROMPT[-k:] + tail, prompt_tokens=len(CHAT_PROMPT))
-            got = parse_reply(body, CHAT_PROMPT, 100, control_ids=CONTROL, well_formed=check)
+            got = parse_generate_reply(body, CHAT_PROMPT, 100, control_ids=CONTROL, well_formed=check)
             assert got.output_ids == CHAT_PROMPT[-k:] + tail
     # a well-formed reply that does not begin like the prompt's tail never reaches the check
     calls.clear()
-    parse_reply(reply(output_ids=[THINK, 20, END, 21, 2], prompt_tokens=len(CHAT_PROMPT)), CHAT_PROMPT, 100,
+    parse_generate_reply(reply(output_ids=[THINK, 20, END, 21, 2], prompt_tokens=len(CHAT_PROMPT)), CHAT_PROMPT, 100,
                 control_ids=CONTROL, well_formed=check)
     assert calls == []
     # the other evidence still decides first, with the check given or not

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from eagle_assets.serving.client import GenerateClient
-from eagle_assets.serving.protocol import GenerateReply, SamplingParams, parse_reply
+from eagle_assets.serving.protocol import GenerateReply, SamplingParams, parse_generate_reply
 from eagle_assets.serving.server import serve_in_thread
 from eagle_assets_tests.servers.tiny_model import write_tiny_causal_lm
 
@@ -70,7 +70,7 @@ def test_single_and_list_input_shapes(server):
     meta = single["meta_info"]
     assert meta["id"] == "one" and meta["prompt_tokens"] == 7 and meta["cached_tokens"] == 0
     assert meta["completion_tokens"] == len(single["output_ids"]) and meta["e2e_latency"] > 0
-    reply = parse_reply(single, _prompt(0, 7), VOCAB, max_new_tokens=6, rid="one")
+    reply = parse_generate_reply(single, _prompt(0, 7), VOCAB, max_new_tokens=6, rid="one")
     assert isinstance(reply, GenerateReply)
 
     batch = {"input_ids": [_prompt(0, 7), _prompt(1, 3), _prompt(2, 12)], "sampling_params": sp, "rid": "b"}
@@ -110,7 +110,7 @@ def test_stop_and_length_finish_reasons(server):
     assert stopped["meta_info"]["completion_tokens"] == cut
     if cut > 1:  # SGLang trims the matched stop token from the text only
         assert stopped["text"].split() == free["text"].split()[: cut - 1]
-    reply = parse_reply(stopped, prompt, VOCAB, max_new_tokens=24)
+    reply = parse_generate_reply(stopped, prompt, VOCAB, max_new_tokens=24)
     assert reply.finish_reason.type == "stop" and reply.finish_reason.matched == target
 
 

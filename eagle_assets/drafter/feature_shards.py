@@ -344,12 +344,6 @@ def read_rows(index: ShardIndex, positions: Sequence[int] | None = None) -> list
     return out
 
 
-def read_shard(path: str | Path, spec: FeatureSpec) -> tuple[ShardIndex, list[RowFeatures]]:
-    """:func:`verify_shard` then every row (raises :class:`FeatureShardError` like it)."""
-    index = verify_shard(path, spec)
-    return index, read_rows(index)
-
-
 def shard_name(spec: FeatureSpec, keys: Iterable[str]) -> str:
     """File name of the shard holding the rows with these :func:`row_key` values, in order, for ``spec``."""
     h = hashlib.sha256(spec.key().encode())

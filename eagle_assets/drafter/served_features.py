@@ -291,7 +291,7 @@ class ServedFeatureSource:
         self._add(reply_bytes=len(raw))
         ids, mask = rows[rid]
         try:
-            return self.parse_reply(rid, ids, mask, raw)
+            return self.parse_features_reply(rid, ids, mask, raw)
         except ReplyRefused as r:
             raise ReplyError(r.reason, r.detail) from None
 
@@ -310,7 +310,8 @@ class ServedFeatureSource:
                                       f"{got.last_error}); is the server up?")
         return RefusedRow(rid, got.kind, f"{got.last_error} ({got.attempts} attempts)")
 
-    def parse_reply(self, row_id: str, input_ids: np.ndarray, loss_mask: np.ndarray, raw: bytes) -> RowFeatures:
+    def parse_features_reply(self, row_id: str, input_ids: np.ndarray, loss_mask: np.ndarray,
+                             raw: bytes) -> RowFeatures:
         """Check a ``/generate`` reply and turn it into :class:`RowFeatures`.
 
         Raises:

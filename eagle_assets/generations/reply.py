@@ -203,7 +203,7 @@ def _calls(answer: list[int], profile) -> tuple[list[int], list[list[int]]]:
     return head, bodies
 
 
-def parse_reply(output_ids: Sequence[int], seg: Segmentation, tokenizer, profile, *, prompt_opens_think: bool,
+def client_message(output_ids: Sequence[int], seg: Segmentation, tokenizer, profile, *, prompt_opens_think: bool,
                 call_id_prefix: str = "call", history_tool_calls: int = 0) -> ParsedReply:
     """The assistant message of one KEPT reply (see the module doc for every rule and its source).
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_assets.generations.reply import parse_reply
+from eagle_assets.generations.reply import client_message
 from eagle_assets.tokenized_prompts.walk import (NOT_GENERATED, QC_DROPPED, RENDER_REJECTED, REQUEST_FAILED,
                                             UNPARSEABLE_TOOL_CALL, ConversationWalk, thinking_modes, turn_row_id)
 from eagle_assets.generations.run import FAILURE_SCHEMA, FAILURES_FILE, run_generation
@@ -227,7 +227,7 @@ def render_turn(walk: ConversationWalk, settings: RolloutSettings, enable_thinki
 
 def take_reply(walk: ConversationWalk, row: Mapping[str, Any], rendered, settings: RolloutSettings) -> None:
     """Take one stored generations ``row`` (``generation.GENERATION_SCHEMA``) as ``walk``'s next turn: QC's
-    segmentation (``segment_row``; dropped -> ``qc_dropped``), the client's view of the reply (``parse_reply``;
+    segmentation (``segment_row``; dropped -> ``qc_dropped``), the client's view of the reply (``client_message``;
     a call that does not parse -> ``unparseable_tool_call``), then ``walk.accept``."""
     seg = segment_row(row, settings.profile, prompt_opens_think=rendered.opens_think, prompt_ids=rendered.prompt_ids,
                       tool_call_in_reasoning=settings.tool_call_in_reasoning, blank_ids=settings.blank_ids,
@@ -235,7 +235,7 @@ def take_reply(walk: ConversationWalk, row: Mapping[str, Any], rendered, setting
     if not seg.kept:
         walk.end(QC_DROPPED, seg.drop_reason)
         return
-    parsed = parse_reply(row["output_ids"], seg, settings.tokenizer, settings.profile,
+    parsed = client_message(row["output_ids"], seg, settings.tokenizer, settings.profile,
                          prompt_opens_think=rendered.opens_think,
                          call_id_prefix=f"call_{walk.sample_id}_{walk.next_turn}",
                          history_tool_calls=sum(len(m.get("tool_calls") or []) for m in walk.history

@@ -3,9 +3,9 @@
 Results are buffered and flushed to a new shard (``shard-NNNNN.parquet``, atomic temp file + rename) every
 ``flush_rows`` rows, and at least every ``flush_seconds`` seconds by a timer (not only when a reply arrives). On
 start, the sample ids already in shards are read back and skipped, so a killed run loses at most the unflushed
-buffer and never writes an id twice. Only validated replies (``parse_reply``) reach a shard. Requests that still fail
-after the client's retries go to ``failures.parquet`` (sample id, kind, attempts, last error) and are retried by the
-next materialization; a partition whose every prompt is in a shard sends no request at all.
+buffer and never writes an id twice. Only validated replies (``parse_generate_reply``) reach a shard. Requests that
+still fail after the client's retries go to ``failures.parquet`` (sample id, kind, attempts, last error) and are
+retried by the next materialization; a partition whose every prompt is in a shard sends no request at all.
 
 Exactly-once needs one writer per partition directory: ``run_generation`` holds an exclusive ``flock`` on
 ``<out_dir>/.generation.lock`` while it runs (the kernel drops it when the process dies, SIGKILL included) and

@@ -1,13 +1,13 @@
 """Asynchronous client for SGLang's native ``/generate``: bounded concurrency, retries, several servers.
 
 Protocol: see ``eagle_assets.serving.protocol`` (request built from ``GenerateReqInput`` fields, replies validated
-by ``parse_reply``). Transport choices and why:
+by ``parse_generate_reply``). Transport choices and why:
 
 - One ``aiohttp.ClientSession`` per ``generate_many`` call with a keep-alive pool sized to the concurrency, and a
   fixed set of worker coroutines pulling from the items iterator: no task per item, natural back-pressure on a lazy
   iterator, no reconnect per request.
 - The request body is assembled from pre-encoded bytes (the sampling params are encoded once) and the reply is
-  parsed once, in ``parse_reply``.
+  parsed once, in ``parse_generate_reply``.
 - Retried (exponential backoff with jitter, ``Retry-After`` honoured): connection errors, timeouts, HTTP 408/429/5xx,
   and replies that fail validation (bad or truncated JSON, ``completion_tokens`` disagreeing with ``output_ids``,
   a prompt echo in ``output_ids`` whether counted or not (with the caller's ``well_formed`` check, also one that only
@@ -45,7 +45,7 @@ import orjson
 
 from eagle_assets.figures.running import DurationSketch
 from eagle_assets.serving.protocol import (GenerateFailure, GenerateReply, ReplyError, SamplingParams, WellFormed,
-                                           parse_reply)
+                                           parse_generate_reply)
 
 Result = GenerateReply | GenerateFailure
 _USERINFO = re.compile(r"//[^/@\s]+@")
@@ -527,8 +527,8 @@ class GenerateClient:
                          json.dumps(rid).encode(), b"}"))
 
         def parse(raw: bytes) -> GenerateReply:
-            return parse_reply(raw, ids, vocab_size, max_new_tokens=sp.max_new_tokens, rid=rid, control_ids=control_ids,
-                               well_formed=well_formed)
+            return parse_generate_reply(raw, ids, vocab_size, max_new_tokens=sp.max_new_tokens, rid=rid,
+                                        control_ids=control_ids, well_formed=well_formed)
 
         sent = await self._send(session, servers, rid, body, parse, stats)
         if isinstance(sent, GenerateFailure):

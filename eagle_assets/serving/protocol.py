@@ -29,8 +29,8 @@ Sources (sgl-project/sglang):
   knows no model family).
 
 The rules a stored row must also pass (ids in the vocab, the counts, the prompt echo, the cap, the matched stop id)
-are implemented once here (``reply_defect``, ``stop_mismatch``) and applied by ``parse_reply`` to every reply and
-by ``structure.segment.segment_output`` to every row of a generations shard, whoever wrote it.
+are implemented once here (``reply_defect``, ``stop_mismatch``) and applied by ``parse_generate_reply`` to every
+reply and by ``structure.segment.segment_output`` to every row of a generations shard, whoever wrote it.
 """
 
 from __future__ import annotations
@@ -309,7 +309,8 @@ class GenerateReply:
     Attributes:
         output_ids: generated token ids (ints of the target vocab), the matched stop id included.
         finish_reason: parsed ``meta_info.finish_reason`` (never ``abort``: aborts raise ``ReplyError``).
-        prompt_tokens: ``meta_info.prompt_tokens`` (== len(prompt ids) when they were given to ``parse_reply``).
+        prompt_tokens: ``meta_info.prompt_tokens`` (== len(prompt ids) when they were given to
+            ``parse_generate_reply``).
         completion_tokens: ``meta_info.completion_tokens`` (== len(output_ids)).
         e2e_latency: server-side seconds from arrival to finish (``meta_info.e2e_latency``), None if absent.
         cached_tokens: ``meta_info.cached_tokens`` (prefix-cache hits), None if absent.
@@ -503,7 +504,7 @@ def stop_mismatch(output_ids: Sequence[int], matched: Any) -> bool:
     return not output_ids or output_ids[-1] != matched
 
 
-def parse_reply(
+def parse_generate_reply(
     reply: bytes | str | dict,
     prompt_ids: Sequence[int] | None = None,
     vocab_size: int | None = None,
