@@ -69,7 +69,8 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         regenerate = config.regenerate or bool(changed)
         if changed:
             context.log.warning(f"{', '.join(changed)} changed since the shards of {key} were generated: "
-                                "generating every prompt again instead of resuming")
+                                "generating every prompt again instead of resuming (the stored rows stay the "
+                                "partition's until the new generation has rows)")
         if config.regenerate:
             context.log.info(f"regenerate=True: every prompt of {key} is generated again; the new rows replace the "
                              "stored ones once there are some")
