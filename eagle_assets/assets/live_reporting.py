@@ -31,8 +31,8 @@ def stopped_failure(key: str, stats, out: Path, monitor) -> dg.Failure:
         f"generation of partition {key} was stopped early by live quality monitoring: {stop.message()}. "
         f"The {stats.succeeded + stats.skipped_done} rows generated so far are kept in {out} and {stats.not_sent} "
         f"prompts were not sent. Fix the server, chat template or sampling settings, then materialize again: it "
-        f"resumes from the kept rows (run config regenerate: true drops them first, since they count in the "
-        f"partition's figures), or set partitions.{key}.live.fail_fast: false in the catalog to generate every "
+        f"resumes from the kept rows (run config regenerate: true generates every prompt again instead, its rows "
+        f"replacing these once it has some, since these count in the partition's figures), or set partitions.{key}.live.fail_fast: false in the catalog to generate every "
         f"prompt anyway. Running figures: {out / LIVE_STATS_FILE}"
     )
     return dg.Failure(description=description, metadata=live_metadata(monitor.snapshot(), out / LIVE_STATS_FILE),
