@@ -175,3 +175,43 @@ def test_back_on_a_live_server_the_new_rows_replace_the_old(switched):
     assert len(rows) == 6 and not switched["staging_left"]
     assert {json.loads(r["sampling_params"])["max_new_tokens"] for r in rows} == {200}
     assert all(len(r["output_ids"]) <= 200 for r in rows)
+
+
+def _stage_with_rows(tmp_path: Path, fingerprint: dict):
+    """A partition folder with one stored shard and a staging folder holding one staged shard of ``fingerprint``."""
+    import pyarrow as pa
+
+    from eagle_assets.assets.versions import record_generation_inputs
+    from eagle_assets.generations.run import GENERATION_SCHEMA, staging_dir
+
+    out = tmp_path / "gen"
+    stage = staging_dir(out)
+    stage.mkdir(parents=True)
+    row = {"sample_id": "s0", "output_ids": [1, 2], "finish_reason": "stop", "matched_stop": 2,
+           "completion_tokens": 2, "prompt_tokens": 3, "latency_s": 0.1, "attempts": 1, "sampling_params": "{}"}
+    for folder in (out, stage):
+        pq.write_table(pa.Table.from_pylist([row], schema=GENERATION_SCHEMA), folder / "shard-00000.parquet")
+    record_generation_inputs(stage, fingerprint)
+    return out, stage
+
+
+def test_a_killed_regeneration_resumes_its_staged_rows_and_a_busy_one_is_not_cleared(tmp_path):
+    from types import SimpleNamespace
+
+    from eagle_assets.assets.regeneration import generation_workdir
+    from eagle_assets.generations.run import exclusive_writer
+
+    logged: list[str] = []
+    context = SimpleNamespace(partition_key="P", log=SimpleNamespace(info=logged.append))
+    fingerprint = {"sha256": "new", "inputs": {"sampling_settings": "new"}}
+    out, stage = _stage_with_rows(tmp_path, fingerprint)
+    # same inputs as the staged attempt: its rows are resumed, nothing is cleared
+    assert generation_workdir(context, out, fingerprint, True, False) == (stage, False)
+    assert (stage / "shard-00000.parquet").exists() and "resuming its 1 staged rows" in logged[-1]
+    # an explicit regenerate starts the staging folder afresh, but never under another run's lock
+    with exclusive_writer(stage):
+        with pytest.raises(dg.Failure, match="Another run is regenerating partition P"):
+            generation_workdir(context, out, fingerprint, True, True)
+    assert (stage / "shard-00000.parquet").exists()
+    assert generation_workdir(context, out, fingerprint, True, True) == (stage, False)
+    assert not (stage / "shard-00000.parquet").exists() and (out / "shard-00000.parquet").exists()

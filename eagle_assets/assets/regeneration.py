@@ -18,7 +18,8 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from eagle_assets.assets.versions import generation_inputs_changed, record_generation_inputs
-from eagle_assets.generations.run import FAILURES_FILE, promote_staged, staging_dir
+from eagle_assets.generations.run import (FAILURES_FILE, LOCK_FILE, PartitionBusyError, exclusive_writer,
+                                          promote_staged, staging_dir)
 from eagle_assets.storage.shards import read_done_ids, shard_paths
 
 
@@ -37,10 +38,16 @@ def generation_workdir(context: dg.AssetExecutionContext, out: Path, fingerprint
         return out, True
     stage = staging_dir(out)
     fresh = explicit or bool(generation_inputs_changed(stage, fingerprint))
-    if fresh and stage.exists():
-        shutil.rmtree(stage)
-    stage.mkdir(parents=True, exist_ok=True)
-    record_generation_inputs(stage, fingerprint)  # before any row: a killed run's staged rows are known by it
+    try:
+        with exclusive_writer(stage):  # never clear a staging folder another run is writing into
+            if fresh:
+                for p in stage.iterdir():
+                    if p.name != LOCK_FILE:
+                        shutil.rmtree(p) if p.is_dir() else p.unlink()
+            record_generation_inputs(stage, fingerprint)  # before any row: a killed run's staged rows are known by it
+    except PartitionBusyError as exc:
+        raise dg.Failure(description=f"{exc}. Another run is regenerating partition {context.partition_key}; wait "
+                                     "for it or cancel it.", allow_retries=False) from exc
     kept = len(read_done_ids(out))
     resumed = len(read_done_ids(stage))
     context.log.info(f"the {kept} stored rows of {context.partition_key} stay until the new generation has rows: "

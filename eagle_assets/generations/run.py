@@ -247,6 +247,16 @@ def run_generation(
 STAGING_DIR = ".regenerating"
 
 
+@contextlib.contextmanager
+def exclusive_writer(out_dir: Path) -> Iterator[None]:
+    """Hold ``out_dir``'s partition lock for the block (the one ``run_generation`` holds while it writes there).
+
+    Raises: ``PartitionBusyError`` when another process holds it."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    with _exclusive(Path(out_dir)):
+        yield
+
+
 def staging_dir(out_dir: Path) -> Path:
     """Where a regeneration of ``out_dir`` writes until :func:`promote_staged` (``<out_dir>/.regenerating``; shard
     listings of ``out_dir`` do not look inside it)."""
