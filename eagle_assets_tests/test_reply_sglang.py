@@ -74,8 +74,9 @@ def tokenizers(shared_data: Path, demo_target):
     r1.chat_template = _r1_template(r1.chat_template)
     kimi = load_kimi_tokenizer(t / "kimi-k2.5", KIMI_THINKING_TEMPLATE)
     kimi.chat_template = _k25_template(kimi.chat_template)
-    return {"qwen3": load_tokenizer(t / "qwen3-0.6b"), "kimi": kimi, "deepseek": r1,
-            "demo": load_tokenizer(demo_target)}
+    k2_thinking = load_kimi_tokenizer(t / "kimi-k2.5", KIMI_THINKING_TEMPLATE)  # the model writes <think> itself
+    return {"qwen3": load_tokenizer(t / "qwen3-0.6b"), "kimi": kimi, "kimi-k2-thinking": k2_thinking,
+            "deepseek": r1, "demo": load_tokenizer(demo_target)}
 
 
 def ours_and_sglang_case(tok, text: str, opens: bool, finish: str, history: int):
@@ -202,7 +203,9 @@ class Family:
                                  + "\n</tool_call>" for c in reversed(calls))
                 return think + ("Calling now. \n" if turn % 2 else "") + body + "<|im_end|>"
             return think + f"{lead}Answer {turn}{trail}<|im_end|>"
-        think = f"Turn {turn} reasoning.\n</think>"  # K2.5's prompt opens the block
+        # K2.5's prompt opens the block; under K2-Thinking's template the model writes <think> itself
+        think = ("" if prompt.endswith("<think>") or prompt.endswith("<think>\n") else "<think>") \
+            + f"Turn {turn} reasoning.\n</think>"
         if calls:
             body = "".join(f"<|tool_call_begin|>functions.{c['function']['name']}:{i}<|tool_call_argument_begin|>"
                            f"{_canonical(c['function']['arguments'])}<|tool_call_end|>" for i, c in enumerate(reversed(calls)))
@@ -241,7 +244,7 @@ def rollouts(tokenizers, shared_data, tmp_path_factory):
                 "e2e_latency": 0.0}}
 
     out = {}
-    for family, thinking in (("qwen3", "both"), ("kimi", None)):
+    for family, thinking in (("qwen3", "both"), ("kimi", None), ("kimi-k2-thinking", None)):
         tok = tokenizers[family]
         prof = detect_profile(tok)
         settings = RolloutSettings(tokenizer=tok, profile=prof, tools={k: t for k, (_, t) in convs.items()},
@@ -306,7 +309,7 @@ def expected_prompts(tok, family: str, dataset: list[dict], tools, replies: list
     return prompts
 
 
-@pytest.mark.parametrize("family", ["qwen3", "kimi"])
+@pytest.mark.parametrize("family", ["qwen3", "kimi", "kimi-k2-thinking"])
 def test_every_turn_prompt_equals_a_render_of_the_history_sglang_returns(rollouts, tokenizers, family):
     tok = tokenizers[family]
     convs, turns, replies, ends, stats = rollouts[family]
