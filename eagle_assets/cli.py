@@ -114,6 +114,7 @@ def reject_lines(layout, key: str) -> list[str]:
     """What the stages of partition ``key`` set aside: records ``raw_prompts`` rejected, prompts
     ``tokenized_prompts`` refused and replies ``qc_shards`` dropped, by reason, with the file that names each one
     (nothing when none)."""
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     from eagle_assets.storage.shards import safe_name
@@ -124,8 +125,8 @@ def reject_lines(layout, key: str) -> list[str]:
         rejects, prompts = folder / "rejects.parquet", folder / "prompts.parquet"
         if not rejects.exists():
             continue
-        reasons = pq.read_table(rejects, columns=["reason"]).column("reason").to_pylist()
-        if not reasons:
+        reasons = pq.read_table(rejects, columns=["reason"]).column("reason")
+        if not len(reasons):
             continue
         kept = pq.read_metadata(prompts).num_rows if prompts.exists() else 0
         lines.append(f"  {stage}: {len(reasons)} of {len(reasons) + kept} rejected ({_by_reason(reasons)}); "
@@ -133,19 +134,19 @@ def reject_lines(layout, key: str) -> list[str]:
     qc_rows = layout.base / "qc_shards" / safe_name(key) / "rows.parquet"
     if qc_rows.exists():  # replies qc_shards dropped (the token_structure check's figures, as counts)
         table = pq.read_table(qc_rows, columns=["kept", "drop_reason"])
-        dropped = [r for k, r in zip(table.column("kept").to_pylist(), table.column("drop_reason").to_pylist())
-                   if not k]
-        if dropped:
+        dropped = table.filter(pc.invert(table.column("kept"))).column("drop_reason")
+        if len(dropped):
             lines.append(f"  qc_shards: {len(dropped)} of {table.num_rows} replies dropped ({_by_reason(dropped)}); "
                          f"see {qc_rows} (docs/token-structure.md names each reason)")
     return lines
 
 
-def _by_reason(reasons: list[str]) -> str:
-    """``"reason n, ..."``, most frequent first."""
-    from collections import Counter
+def _by_reason(reasons) -> str:
+    """``"reason n, ..."`` of a string column, most frequent first (counted by Arrow, not row by row)."""
+    import pyarrow.compute as pc
 
-    return ", ".join(f"{r} {n}" for r, n in Counter(reasons).most_common())
+    counts = sorted(pc.value_counts(reasons).to_pylist(), key=lambda c: -c["counts"])
+    return ", ".join(f"{c['values']} {c['counts']}" for c in counts)
 
 
 def acceptance_line(result) -> str | None:

@@ -15,12 +15,13 @@ import shutil
 from pathlib import Path
 
 import dagster as dg
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle_assets.assets.versions import generation_inputs_changed, record_generation_inputs
 from eagle_assets.generations.run import (FAILURES_FILE, LOCK_FILE, PartitionBusyError, exclusive_writer,
                                           promote_staged, staging_dir)
-from eagle_assets.storage.shards import read_done_ids, shard_paths
+from eagle_assets.storage.shards import shard_paths, shard_row_count
 
 
 def generation_workdir(context: dg.AssetExecutionContext, out: Path, fingerprint: dict,
@@ -48,8 +49,7 @@ def generation_workdir(context: dg.AssetExecutionContext, out: Path, fingerprint
     except PartitionBusyError as exc:
         raise dg.Failure(description=f"{exc}. Another run is regenerating partition {context.partition_key}; wait "
                                      "for it or cancel it.", allow_retries=False) from exc
-    kept = len(read_done_ids(out))
-    resumed = len(read_done_ids(stage))
+    kept, resumed = shard_row_count(out), shard_row_count(stage)
     context.log.info(f"the {kept} stored rows of {context.partition_key} stay until the new generation has rows: "
                      f"generating into {stage}" + (f" (resuming its {resumed} staged rows)" if resumed else ""))
     return stage, False
@@ -60,14 +60,12 @@ def failure_summary(work: Path, limit: int = 1) -> str:
     path = Path(work) / FAILURES_FILE
     if not path.exists():
         return ""
-    rows = pq.read_table(path).to_pylist()
-    if not rows:
+    table = pq.read_table(path)
+    if not table.num_rows:
         return ""
-    kinds: dict[str, int] = {}
-    for r in rows:
-        kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
-    counts = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
-    examples = "; ".join(f"{r['sample_id']}: {r['last_error'][:300]}" for r in rows[:limit])
+    kinds = pc.value_counts(table.column("kind")).to_pylist()
+    counts = ", ".join(f"{k['counts']} {k['values']}" for k in sorted(kinds, key=lambda k: -k["counts"]))
+    examples = "; ".join(f"{r['sample_id']}: {r['last_error'][:300]}" for r in table.slice(0, limit).to_pylist())
     return f"{counts} (e.g. {examples})"
 
 
@@ -81,11 +79,11 @@ def settle_generation(context: dg.AssetExecutionContext, out: Path, work: Path, 
     """
     key = context.partition_key
     staged = work != out
-    if staged and read_done_ids(work):
+    if staged and shard_paths(work):  # a shard is only written with rows in it
         old, new = promote_staged(out)
         context.log.info(f"{key}: {new} rows generated under the new inputs replace the {old} stored rows")
     if requested and not succeeded:
-        kept = len(read_done_ids(out))
+        kept = shard_row_count(out)
         raise dg.Failure(
             description=(
                 f"generation of partition {key} failed: every one of its {requested} requests failed after retries: "

@@ -43,8 +43,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle_assets.figures.running import DurationSketch
-from eagle_assets.storage.shards import (clear_shards, next_shard_path, read_done_ids, shard_paths, write_bytes_atomic,
-                                   write_json_atomic, write_parquet_atomic)
+from eagle_assets.storage.shards import (clear_shards, next_shard_path, read_done_ids, shard_paths, shard_row_count,
+                                         write_bytes_atomic, write_json_atomic, write_parquet_atomic)
 
 GENERATION_SCHEMA = pa.schema(
     [
@@ -280,7 +280,7 @@ def promote_staged(out_dir: Path) -> tuple[int, int]:
     with _exclusive(out_dir):
         staged = [p for p in stage.iterdir() if p.is_file() and p.name != LOCK_FILE and not p.name.endswith(".tmp")]
         names = {p.name for p in staged}
-        old_rows = len(read_done_ids(out_dir))
+        old_rows = shard_row_count(out_dir)
         shards = set(shard_paths(out_dir))
         stale = [p for p in out_dir.iterdir() if p.is_file() and p.name != LOCK_FILE
                  and (p in shards or p.name in names or p.name in (FAILURES_FILE, LIVE_STATS_FILE))]
@@ -291,7 +291,7 @@ def promote_staged(out_dir: Path) -> tuple[int, int]:
         for p in stage.iterdir():
             p.unlink()
         stage.rmdir()
-        return old_rows, len(read_done_ids(out_dir))
+        return old_rows, shard_row_count(out_dir)
 
 
 def _live_json(snapshot: dict) -> bytes:

@@ -136,6 +136,11 @@ def read_shards(directory: Path, columns: list[str] | None = None) -> pa.Table |
     return pa.concat_tables([pq.read_table(p, columns=columns) for p in paths], promote_options="default")
 
 
+def shard_row_count(directory: Path) -> int:
+    """Rows in the shards of ``directory``, from the Parquet footers (no column is read)."""
+    return sum(pq.read_metadata(p).num_rows for p in shard_paths(directory))
+
+
 def read_done_ids(directory: Path, column: str = "sample_id") -> set[str]:
     """Sample ids already written to the shards of ``directory`` (the resume set)."""
     table = read_shards(directory, columns=[column])
