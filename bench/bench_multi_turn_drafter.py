@@ -14,7 +14,7 @@ default catalog's multi-turn partition ``B1_glaive`` (glaive conversations: a to
    ``prompt_policy: last_user``: the dataset's earlier assistant turns as history, only the last turn
    regenerated). Changed from the default: no ``limit`` (both partitions see every record, so they hold the same
    conversations), ``live.fail_fast`` off (a bad stretch must not stop a partition midway), ``target.model``
-   the demo target's directory (``build_demo_target()``, so the storage root can move without a rebuild).
+   the demo target's directory (``demo.shipped.demo_target()``).
    Storage ``<storage-root>/multi_turn_drafter`` (``EAGLE_ASSETS_HOME=<storage-root>``, ``DAGSTER_HOME`` under it);
 3. splits by conversation (the record's ``source_row``, shared by both partitions): a conversation is held out
    when the product's keyed hash (``assets.training_rows.is_holdout`` of its ``B1_glaive`` sample id, ``--holdout-
@@ -178,12 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     from eagle_assets.assets.training_rows import is_holdout
     from eagle_assets.catalog import load_catalog
     from eagle_assets.tokenized_prompts.walk import parse_turn_row_id
-    from eagle_assets.demo.build import build_demo_target
+    from eagle_assets.demo.shipped import demo_target
     from drafter_experiment import completion_tokens, train_and_measure
     from eagle_assets.storage.shards import default_storage_root
 
     torch.set_num_threads(1)
-    model_dir = Path(build_demo_target())  # the cached target; built only when no cache exists
+    model_dir = demo_target()
     root = (args.storage_root or default_storage_root()).resolve()
     work = root / "experiments" / CATALOG_NAME
     work.mkdir(parents=True, exist_ok=True)

@@ -95,10 +95,10 @@ def main() -> int:
     args = p.parse_args()
     stages(args.width, args.tokens)
     if args.demo:
-        from eagle_assets.demo.build import build_demo_target
+        from eagle_assets.demo.shipped import demo_target
         from eagle_assets.serving.server import serve_in_thread
 
-        target = str(build_demo_target())
+        target = str(demo_target())
         with serve_in_thread(target, enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3") as srv:
             end_to_end(srv.url, target, args.rows, min(args.row_tokens, 512))
     elif args.url:

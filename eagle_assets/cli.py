@@ -1,7 +1,6 @@
-"""``eagle-assets`` command line: build the embedded target, run the whole pipeline, print the length report.
+"""``eagle-assets`` command line: run the whole pipeline, print the length report.
 
     eagle-assets run [--catalog PATH] [--partitions A,B.c03] [--skip-training]
-    eagle-assets build-target [--force]
     eagle-assets report [--catalog PATH]
 
 ``--partitions`` takes dataset keys and chunk keys: a chunked dataset's key runs its ``raw_prompts`` over all its
@@ -40,19 +39,6 @@ def _ensure_dagster_home(catalog_path: Path) -> Path:
     home = Path(os.environ["DAGSTER_HOME"])
     home.mkdir(parents=True, exist_ok=True)
     return home
-
-
-def _cmd_build_target(args: argparse.Namespace) -> int:
-    from eagle_assets.demo.build import DemoTargetRejected, build_demo_target
-
-    t0 = time.monotonic()
-    try:
-        path = build_demo_target(force=args.force)
-    except DemoTargetRejected as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    print(f"embedded target model: {path} ({time.monotonic() - t0:.1f} s)")
-    return 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -280,12 +266,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
             print(exc)
             return 2
     if catalog.target.model == "demo":
-        from eagle_assets.demo.build import DemoTargetRejected, build_demo_target
+        from eagle_assets.demo.shipped import DemoTargetStale, demo_target
 
-        t0 = time.monotonic()
         try:
-            print(f"embedded target model: {build_demo_target()} ({time.monotonic() - t0:.1f} s)", flush=True)
-        except DemoTargetRejected as exc:
+            print(f"embedded target model: {demo_target()}", flush=True)
+        except DemoTargetStale as exc:
             print(exc, file=sys.stderr)
             return 1
     instance = dg.DagsterInstance.get()
@@ -410,9 +395,6 @@ def main(argv: list[str] | None = None) -> int:
                        "keys <dataset>.cNN (default: all)")
     p_run.add_argument("--skip-training", action="store_true")
     p_run.set_defaults(fn=_cmd_run)
-    p_build = sub.add_parser("build-target", help="build (or reuse) the embedded default target model")
-    p_build.add_argument("--force", action="store_true")
-    p_build.set_defaults(fn=_cmd_build_target)
     p_rep = sub.add_parser("report", help="print the length report of a catalog's QC shards")
     p_rep.add_argument("--catalog")
     p_rep.add_argument("--spans", default="total,reasoning,answer")

@@ -1,4 +1,4 @@
-"""Shared fixtures: the embedded demo target (built once, cached under ./.eagle_assets) and the shared data dir."""
+"""Shared fixtures: the embedded demo target (shipped in the package) and the shared data dir."""
 
 import os
 import sys
@@ -30,28 +30,12 @@ if os.environ.get("PYTHONDONTWRITEBYTECODE"):
 
 @pytest.fixture(scope="session")
 def demo_target() -> Path:
-    """Directory of the embedded demo target (a real tiny Qwen3 + tokenizer), built and gated on first use (about
-    three minutes on an idle 2-core machine), then reused from the cache by every later session. The one fixture
-    every test that needs the default target takes, so a session builds it at most once; tests of the build itself
-    use small recipes (``test_demo_build.py``)."""
-    from eagle_assets.demo.build import build_demo_target
+    """Directory of the embedded demo target (a real tiny Qwen3 + tokenizer) as the package ships it, checked
+    against this checkout's recipe (``demo.shipped.demo_target``); tests of the build itself use small recipes
+    (``test_demo_build.py``)."""
+    from eagle_assets.demo.shipped import demo_target
 
-    return Path(build_demo_target())
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _demo_target_before_the_first_test(request):
-    """A session that will need the demo target builds it before any test runs, in every worker (one builds, the
-    others wait on the build's lock). On a fresh clone the build and then ``test_orchestration_live.py``, which
-    waits for it, are the session's critical path (about 3 + 3 minutes); tests that do not need the target, run
-    during the build, only take cores from it and lengthen that path, while after it they fill the minutes the live
-    module spends waiting for its daemon. A failed build is left to the tests that take ``demo_target``: they
-    error with its message, the rest run."""
-    if any("demo_target" in item.fixturenames for item in request.session.items):
-        try:
-            request.getfixturevalue("demo_target")
-        except Exception:  # noqa: BLE001 -- reported by each test that takes the fixture
-            pass
+    return demo_target()
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """Demo target build: cache by recipe hash, atomic layout, loadable HF directory, reproducible bytes, quality gate
-(tiny recipes, seconds each; the default recipe is built once per session by conftest's ``demo_target``)."""
+(tiny recipes, seconds each), and the shipped target's checks. Rebuilding the default recipe is
+``test_demo_target.py::test_rebuilding_the_shipped_target_passes_the_gate``."""
 
 from __future__ import annotations
 
@@ -116,18 +117,11 @@ def test_built_directory_loads_as_qwen3(tiny_target):
 GATED = dataclasses.replace(TINY, gate_prompts_per_kind=1)
 
 
-@pytest.fixture(scope="module")
-def gated_rejection(tmp_path_factory):
-    """(cache root, gate reference file, the DemoTargetRejected) of one gated TINY build (its gate ran)."""
-    root = tmp_path_factory.mktemp("gated")
-    ref = root / "reference.json"
+def test_gate_rejects_a_model_that_loops_and_says_what_to_do(tmp_path):
+    root = tmp_path
     with pytest.raises(DemoTargetRejected) as info:
-        build_demo_target(root, recipe=GATED, log=lambda _: None, reference_path=ref, workers=1)
-    return root, ref, info.value
-
-
-def test_gate_rejects_a_model_that_loops_and_says_what_to_do(gated_rejection):
-    root, _, rejection = gated_rejection
+        build_demo_target(root, recipe=GATED, log=lambda _: None, workers=1)
+    rejection = info.value
     final = demo_target_path(root, GATED)
     assert not final.exists() and rejection.path == rejected_path(final) and rejection.path.is_dir()
     message = str(rejection)
@@ -139,14 +133,7 @@ def test_gate_rejects_a_model_that_loops_and_says_what_to_do(gated_rejection):
         n_bad, n = line.split(": ", 1)[1].split(" replies")[0].split(" of ")
         assert n_bad == n and "max_share_dropped_warn for this partition is 5%" in line, line
     assert "point target.model" in message and str(rejection.path) in message
-    # TINY's bytes are not in the shipped gate reference: the message names the machine's arithmetic as the
-    # possible cause; for recorded bytes that failed, it is the recipe.
-    assert "are not the ones recorded in eagle_assets/demo/gate_reference.json" in message and "lscpu" in message
-    from eagle_assets.demo import gate_reference
-    from eagle_assets.demo.build import _rejection_cause
-
-    recorded = next(iter(gate_reference.load_references()))
-    assert "a recipe problem, not your machine's" in _rejection_cause({"weights_sha256": recorded})
+    assert "this machine's arithmetic" in message and "the shipped target (eagle_assets/demo/target/)" in message
     math = json.loads((rejection.path / "recipe.json").read_text())["gate"]["report"]["math"]
     assert (math["n"], math["ok"], math["at_cap"], math["cap"]) == (1, 0, 1, default_catalog_caps()["math"])
     # The verdict is kept: asking again fails at once instead of training the same weights again.
@@ -155,36 +142,42 @@ def test_gate_rejects_a_model_that_loops_and_says_what_to_do(gated_rejection):
     with pytest.raises(DemoTargetRejected):
         build_demo_target(root, recipe=GATED)
     assert time.monotonic() - t0 < 1.0 and (rejection.path / "model.safetensors").stat().st_mtime_ns == stamp
+    # A rejected build is never shipped.
+    from eagle_assets.demo.shipped import ship
+
+    with pytest.raises(ValueError, match="did not pass the demo gate"):
+        ship(rejection.path, tmp_path / "target")
+    assert not (tmp_path / "target").exists()
 
 
-def test_a_recorded_gate_verdict_stands_only_for_the_same_weights_and_gate_inputs(gated_rejection):
-    """The gate's verdict is a function of the weights' bytes and the gate's inputs: a rebuild that reproduces both
-    takes the recorded verdict (replies not regenerated); other inputs never match it. (That regenerated replies
-    equal the recorded ones is checked on the default target in ``test_demo_target.py``.)"""
-    from eagle_assets.demo import gate_reference
-    from eagle_assets.demo.build import record_gate_reference
+def test_the_shipped_target_is_checked_before_use(tmp_path, monkeypatch):
+    """``demo_target()`` serves the shipped directory only when it is this checkout's recipe and its weights are the
+    bytes its build wrote; ``ship`` copies exactly the shipped files of a passing build, replacing the old ones."""
+    from eagle_assets.demo import shipped
 
-    root, ref, rejection = gated_rejection
-    ran = json.loads((rejection.path / "recipe.json").read_text())
-    assert "verified_by" not in ran["gate"] and len(ran["gate"]["reply_sha256"]) == 6
-    entry = record_gate_reference(rejection.path, reference_path=ref, log=lambda _: None)
-    assert json.loads(ref.read_text()) == {ran["weights_sha256"]: entry}
+    real = shipped.demo_target()
+    meta = json.loads((real / "recipe.json").read_text())
+    assert meta["recipe_hash"] == recipe_hash() and meta["gate"]["failures"] == []
+    copy = shipped.ship(real, tmp_path / "target")
+    (copy / "stale.txt").write_text("left by an older ship")
+    copy = shipped.ship(real, tmp_path / "target")
+    assert sorted(p.name for p in copy.iterdir()) == sorted(shipped.SHIPPED_FILES)
+    monkeypatch.setattr(shipped, "shipped_dir", lambda: copy)
+    assert shipped.demo_target() == copy
 
-    logs: list[str] = []
-    with pytest.raises(DemoTargetRejected) as again:
-        build_demo_target(root, recipe=GATED, log=logs.append, reference_path=ref, force=True, workers=1)
-    reused = json.loads((again.value.path / "recipe.json").read_text())
-    assert reused["weights_sha256"] == ran["weights_sha256"]
-    assert reused["gate"]["verified_by"]["weights_sha256"] == ran["weights_sha256"]
-    assert {k: v for k, v in reused["gate"].items() if k != "verified_by"} == ran["gate"]
-    assert any("verdict stands" in line for line in logs) and not any("gate replies:" in line for line in logs)
-
-    refs = gate_reference.load_references(ref)
-    assert gate_reference.matching_reference(refs, ran["weights_sha256"], ran["gate"]["inputs_sha256"]) == entry
-    assert gate_reference.matching_reference(refs, ran["weights_sha256"], "0" * 64) is None  # e.g. decoder edited
-    assert gate_reference.matching_reference(refs, "f" * 64, ran["gate"]["inputs_sha256"]) is None  # other bytes
-    with pytest.raises(ValueError, match="taken from a reference"):
-        gate_reference.record(ref, ran["weights_sha256"], reused["gate"], ran["recipe_hash"])
+    other = dict(meta, recipe_hash="0" * 64)
+    (copy / "recipe.json").write_text(json.dumps(other))
+    with pytest.raises(shipped.DemoTargetStale, match="recipe or its source changed.*--ship"):
+        shipped.demo_target()
+    (copy / "recipe.json").write_text(json.dumps(meta))
+    weights = (copy / "model.safetensors").read_bytes()
+    (copy / "model.safetensors").write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(shipped.DemoTargetStale, match="not the file its build wrote"):
+        shipped.demo_target()
+    (copy / "model.safetensors").write_bytes(weights)
+    (copy / "tokenizer.json").unlink()
+    with pytest.raises(shipped.DemoTargetStale, match="lacks tokenizer.json"):
+        shipped.demo_target()
 
 
 def test_repeated_count_line_is_masked_and_tokenization_unchanged(tiny_target):

@@ -52,7 +52,7 @@ def env(tmp_path):
     catalog = tmp_path / "sensed.yaml"
     catalog.write_text(yaml.safe_dump(_catalog_dict(tmp_path)))
     resources = {"settings": PipelineSettings(catalog_path=str(catalog), storage_root=str(tmp_path / "store")),
-                 "target": TargetModel(model="demo", cache_root=str(tmp_path / "no-target-built"))}
+                 "target": TargetModel(model="demo")}
     (tmp_path / "home").mkdir()
     with dg.instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
         yield catalog, resources, instance

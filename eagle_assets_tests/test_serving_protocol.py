@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import orjson
 import pytest
 
 from eagle_assets.serving.protocol import FinishReason, ReplyError, SamplingParams, parse_generate_reply
@@ -289,3 +290,30 @@ def test_reply_beginning_like_the_prompt_tail_and_well_formed_as_it_stands_is_ke
     assert err.kind == "prompt_echo" and "last 4 prompt ids" in err.detail
     uncounted = reply(output_ids=CHAT_PROMPT[-1:] + [20, 21, 2], completion_tokens=3, prompt_tokens=6)
     assert _kind(uncounted, prompt=CHAT_PROMPT, well_formed=check).kind == "prompt_echo"
+
+
+def test_typed_request_and_reply_round_trip_through_the_embedded_servers_parser():
+    """One ``GenerateRequest`` is the body the client sends and the server reads back field for field; one
+    ``GenerateReply`` is what the server writes and ``parse_generate_reply`` reads back."""
+    from eagle_assets.serving.generate_io import GenerateIO
+    from eagle_assets.serving.protocol import FinishReason, GenerateReply, GenerateRequest
+
+    sp = SamplingParams(max_new_tokens=7, temperature=0.0, stop_token_ids=(3,), seed=11)
+    request = GenerateRequest(input_ids=[5, 6, 7], sampling_params=sp, rid="r-1", return_hidden_states="last",
+                              return_logprob=True, logprob_start_len=1, top_logprobs_num=2)
+    body = request.to_bytes()
+    assert body == request.to_bytes(orjson.dumps(sp.to_json()))  # the client's pre-encoded sampling params
+    io = GenerateIO(None, vocab_size=10, context_length=None, return_hidden_states_mode="full",
+                    recording_error=lambda: None)
+    (item,), single = io.parse(orjson.loads(body))
+    assert single and item.request == request and (item.hidden, item.logprob_start, item.top_logprobs) == ("last", 1, 2)
+    assert GenerateRequest.from_json(orjson.loads(body)) == request
+    with pytest.raises(ValueError, match="input_ids must be a non-empty list of ints"):
+        GenerateRequest.from_json({"input_ids": [1, "2"], "sampling_params": sp.to_json()})
+
+    reply = GenerateReply(output_ids=[8, 3], finish_reason=FinishReason("stop", matched=3), prompt_tokens=3,
+                          completion_tokens=2, e2e_latency=0.5, cached_tokens=0, rid="r-1", text="x")
+    wire = reply.to_json(hidden_states=[[0.5]])
+    assert wire["meta_info"]["hidden_states"] == [[0.5]] and wire["meta_info"]["finish_reason"] == {
+        "type": "stop", "matched": 3}
+    assert parse_generate_reply(orjson.dumps(wire), [5, 6, 7], 10, max_new_tokens=7, rid="r-1") == reply

@@ -64,7 +64,7 @@ def build_generation_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.
         layout = settings.layout()
         out = layout.stage_dir("generations", key)
         # Shards of other sampling / render settings, tokenizer or weights are generated again, not resumed from.
-        fingerprint = generation_fingerprint(catalog, key, target.cache_root)
+        fingerprint = generation_fingerprint(catalog, key)
         changed = generation_inputs_changed(out, fingerprint)
         regenerate = config.regenerate or bool(changed)
         if changed:

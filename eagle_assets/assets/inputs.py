@@ -132,7 +132,7 @@ def _build_input_assets(partitions_def: dg.PartitionsDefinition) -> list:
     def global_inputs(context):
         catalog = context.resources.settings.catalog()
         selected = {k.to_user_string() for k in context.selected_asset_keys}
-        for version in global_input_versions(catalog, context.resources.target.cache_root):
+        for version in global_input_versions(catalog):
             if version.key in selected:
                 yield observe_result(version)
 

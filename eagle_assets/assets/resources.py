@@ -31,20 +31,20 @@ class PipelineSettings(dg.ConfigurableResource):
 
 
 class TargetModel(dg.ConfigurableResource):
-    """The target model: ``demo`` (the embedded default, built once and cached) or a local HF model directory."""
+    """The target model: ``demo`` (the embedded default the package ships) or a local HF model directory."""
 
     model: str = "demo"
-    cache_root: str = ""
 
     def resolve(self) -> Path:
-        """Directory of the target model (builds the embedded demo target on first use, then reuses the cache).
+        """Directory of the target model.
 
-        Raises ``FileNotFoundError`` naming the path when a configured model directory does not exist.
+        Raises ``FileNotFoundError`` naming the path when a configured model directory does not exist, and
+        ``demo.shipped.DemoTargetStale`` when the shipped demo target does not match this checkout's recipe.
         """
         if self.model == "demo":
-            from eagle_assets.demo.build import build_demo_target
+            from eagle_assets.demo.shipped import demo_target
 
-            return Path(build_demo_target(Path(self.cache_root) if self.cache_root else None))
+            return demo_target()
         path = Path(self.model).expanduser()
         if not path.exists():
             raise FileNotFoundError(

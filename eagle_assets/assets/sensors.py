@@ -97,7 +97,7 @@ def build_inputs_sensor(partition_keys: list[str]) -> dg.SensorDefinition:
             files.update(digest.files)
             cache = {**cache, **digest.files}  # the chunks of a dataset share its files: hash them once per tick
             versions += partition_versions
-        versions += global_input_versions(catalog, target.cache_root)
+        versions += global_input_versions(catalog)
         new_keys = [k for k in catalog.partition_keys if k not in loaded]
         if new_keys:
             notes.append(f"partitions {new_keys} are new in the catalog: reload the code location to add them")

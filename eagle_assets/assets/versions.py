@@ -169,17 +169,17 @@ def qc_settings_version(spec: PartitionSpec) -> InputVersion:
                                               "tool_call_in_reasoning": spec.tool_call_in_reasoning})
 
 
-def target_location(model: str, cache_root: str = "") -> tuple[Path | None, str | None]:
-    """``(model directory, demo recipe hash)`` of a catalog ``target.model`` without building anything.
+def target_location(model: str) -> tuple[Path | None, str | None]:
+    """``(model directory, demo recipe hash)`` of a catalog ``target.model``, checking nothing.
 
-    ``demo`` gives the directory the embedded target is (or will be) built in and its recipe hash, which fixes every
-    file of it; a local directory gives ``(path, None)``; anything else (a hub id) gives ``(None, None)``.
+    ``demo`` gives the shipped embedded target's directory and its recipe hash, which fixes every file of it; a local
+    directory gives ``(path, None)``; anything else (a hub id) gives ``(None, None)``.
     """
     if model == "demo":
-        from eagle_assets.demo.recipe import demo_target_path, recipe_hash
+        from eagle_assets.demo.recipe import recipe_hash
+        from eagle_assets.demo.shipped import shipped_dir
 
-        root = Path(cache_root) if cache_root else None
-        return demo_target_path(root), recipe_hash()
+        return shipped_dir(), recipe_hash()
     path = Path(model).expanduser()
     return (path if path.is_dir() else None), None
 
@@ -189,12 +189,12 @@ def _tokenizer_files(model_dir: Path) -> dict[str, str]:
             if p.is_file() and p.name.startswith(TOKENIZER_FILE_PREFIXES) and not p.name.endswith(WEIGHT_SUFFIXES)}
 
 
-def target_tokenizer_version(catalog: Catalog, cache_root: str = "") -> InputVersion:
+def target_tokenizer_version(catalog: Catalog) -> InputVersion:
     """``target_tokenizer``: the target's tokenizer files (chat template included: ``chat_template.jinja`` or the
     ``chat_template`` field of tokenizer_config.json), the eos ids of generation_config.json / config.json, and the
     catalog's ``target.profile`` overrides. Feeds ``tokenized_prompts`` and ``qc_shards``."""
     model = catalog.target.model
-    model_dir, recipe = target_location(model, cache_root)
+    model_dir, recipe = target_location(model)
     facts: dict[str, Any] = {"model": model, "profile_overrides": catalog.target.profile}
     if recipe is not None:
         facts["demo_recipe_sha256"] = recipe
@@ -218,7 +218,7 @@ def _weights_identity(path: Path) -> dict:
     return ident
 
 
-def target_model_version(catalog: Catalog, cache_root: str = "") -> InputVersion:
+def target_model_version(catalog: Catalog) -> InputVersion:
     """``target_model``: what is served, i.e. the weights that generate and give the drafter's aux hidden states
     (the model path, config.json, each weight file's identity, the shard index). Feeds ``generations`` and
     ``drafter_checkpoint``.
@@ -228,7 +228,7 @@ def target_model_version(catalog: Catalog, cache_root: str = "") -> InputVersion
     and a partition switched from one to another resumes its rows instead of generating them again (a launch flag
     that changes the replies, e.g. another ``--dtype``, is a reason to materialize with ``regenerate: true``)."""
     model = catalog.target.model
-    model_dir, recipe = target_location(model, cache_root)
+    model_dir, recipe = target_location(model)
     facts: dict[str, Any] = {"model": model}
     if recipe is not None:
         facts["demo_recipe_sha256"] = recipe
@@ -255,16 +255,16 @@ def partition_input_versions(spec: PartitionSpec,
     return [source, render_settings_version(spec), sampling_settings_version(spec), qc_settings_version(spec)], digest
 
 
-def global_input_versions(catalog: Catalog, cache_root: str = "") -> list[InputVersion]:
+def global_input_versions(catalog: Catalog) -> list[InputVersion]:
     """The three unpartitioned inputs."""
-    return [target_tokenizer_version(catalog, cache_root), target_model_version(catalog, cache_root),
+    return [target_tokenizer_version(catalog), target_model_version(catalog),
             training_settings_version(catalog)]
 
 
 GENERATION_INPUTS_FILE = "generation_inputs.json"
 
 
-def generation_fingerprint(catalog: Catalog, key: str, cache_root: str = "") -> dict:
+def generation_fingerprint(catalog: Catalog, key: str) -> dict:
     """What the rows of a partition's generation shards were generated from, besides the set of prompts: sampling
     params, render settings and prompt policy (they change an existing sample id's prompt ids), the target's
     tokenizer and weights. ``{"sha256": ..., "inputs": {...}}``.
@@ -279,8 +279,8 @@ def generation_fingerprint(catalog: Catalog, key: str, cache_root: str = "") -> 
         "sampling_settings": sampling_settings_version(spec).data_version,
         "render_settings": render_settings_version(spec).data_version,
         "prompt_policy": spec.prompt_policy,
-        "target_tokenizer": target_tokenizer_version(catalog, cache_root).data_version,
-        "target_model": target_model_version(catalog, cache_root).data_version,
+        "target_tokenizer": target_tokenizer_version(catalog).data_version,
+        "target_model": target_model_version(catalog).data_version,
     }
     if spec.prompt_policy == "all_turns":  # which recorded results answer a call changes later turns' prompts
         from eagle_assets.generations.reply import HISTORY_RULES

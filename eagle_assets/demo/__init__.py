@@ -1,11 +1,12 @@
-"""The embedded default target: a tiny Qwen3 trained on seeded synthetic transcripts, built on CPU in ~3 minutes,
-the same bytes at any load or thread setting on one kind of CPU, and accepted only when it passes its quality
-gate.
+"""The embedded default target: a tiny Qwen3 trained on seeded synthetic transcripts, shipped in ``target/`` (made
+by ``python -m eagle_assets.demo.build --ship`` on CPU in ~3 minutes, the same bytes at any load or thread setting
+on one kind of CPU, accepted only when it passes its quality gate).
 
 Public API::
 
     build_demo_target(cache_root=None, force=False, recipe=None, log=None, workers=None) -> Path  # HF dir by hash
-    DemoTargetRejected                                                             # the gate failed (message: what to do)
+    DemoTargetRejected                                                     # the gate failed (message: what to do)
+    demo_target() -> Path ; DemoTargetStale                                # the shipped target, checked first
     demo_target_path(cache_root=None, recipe=None) -> Path                         # where it lives; builds nothing
     recipe_hash(recipe=None) -> str ; DemoRecipe ; default_cache_root() -> Path
     generate_samples(kind, n, seed) -> list[DemoSample] ; KINDS ; completion_text(sample) -> str
@@ -16,8 +17,9 @@ reasoning -> B5_openthoughts. CLIs: ``python -m eagle_assets.demo.build``, ``pyt
 ``python -m eagle_assets.demo.evaluate``.
 
 Modules, lowest first: ``transcripts`` and ``tokenizer`` (the synthetic data and its BPE), ``recipe`` (settings and
-hash), ``rows`` (encoded training rows and the step plan), ``gate_reference`` and ``gate`` (the quality gate),
-``trainer`` (one training worker), ``build`` (the cached, locked build), ``raw_samples`` and ``evaluate`` (CLIs).
+hash), ``shipped`` (the committed target, checked against the recipe), ``rows`` (encoded training rows and the step
+plan), ``gate`` (the quality gate), ``trainer`` (one training worker), ``build`` (the cached, locked build),
+``raw_samples`` and ``evaluate`` (CLIs).
 """
 
 import importlib
@@ -28,6 +30,8 @@ from typing import Any
 _EXPORTS = {
     "DemoRecipe": "recipe",
     "DemoTargetRejected": "build",
+    "DemoTargetStale": "shipped",
+    "demo_target": "shipped",
     "build_demo_target": "build",
     "default_cache_root": "recipe",
     "demo_target_path": "recipe",

@@ -15,20 +15,18 @@ kept aside as ``<hash>.rejected`` and the build raises
 :class:`DemoTargetRejected`. On an idle 2-core machine it takes about three minutes (two workers in parallel);
 with one core, twice the training time, same bytes.
 
-A build whose weights equal (sha256) those of a build whose gate ran, with the same gate inputs, takes that
-recorded verdict (:mod:`eagle_assets.demo.gate_reference`) instead of regenerating the replies: the bytes are the
-same, so is the verdict; it saves about a minute on an idle 2-core machine and two on a loaded one.
+The project ships the weights this build made (``eagle_assets/demo/target/``, :mod:`eagle_assets.demo.shipped`), so
+users never run it: the bytes are reproducible on one kind of CPU only (:mod:`eagle_assets.demo.trainer`), and
+shipping them gives every machine the same model. Run it after changing the recipe, then ship the result.
 
-CLI: ``python -m eagle_assets.demo.build [--force] [--cache-root DIR] [--regate] [--record-gate-reference]`` prints
-the model directory.
+CLI: ``python -m eagle_assets.demo.build [--force] [--cache-root DIR] [--ship]`` prints the model directory;
+``--ship`` copies a build that passed its gate into ``eagle_assets/demo/target/`` (commit it).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -41,12 +39,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle_assets.demo import gate_reference, transcripts
-from eagle_assets.demo.tokenizer import EOS_TOKEN, PAD_TOKEN, train_demo_tokenizer
+from eagle_assets.demo import transcripts
 from eagle_assets.demo.gate import gate_from_replies, select_gate_set
-from eagle_assets.demo.recipe import (RECIPE_FILE, SHARDS, WORLD_SIZES, DemoRecipe, default_cache_root, recipe_hash,
-                                      source_digest)
+from eagle_assets.demo.recipe import (
+    RECIPE_FILE,
+    SHARDS,
+    WORLD_SIZES,
+    DemoRecipe,
+    default_cache_root,
+    recipe_hash,
+    source_digest,
+)
 from eagle_assets.demo.rows import plan_steps, training_row
+from eagle_assets.demo.tokenizer import EOS_TOKEN, PAD_TOKEN, train_demo_tokenizer
 from eagle_assets.demo.transcripts import completion_text, generate_mixture
 
 
@@ -86,26 +91,18 @@ def _rejection(path: Path) -> DemoTargetRejected:
 
 
 def _rejection_cause(meta: dict[str, Any]) -> str:
-    """What a gate failure means: a recipe problem when these bytes are the recorded ones, else this machine's
-    arithmetic (the bytes are reproducible on one kind of CPU, see :mod:`eagle_assets.demo.trainer`)."""
+    """What a gate failure means: a recipe problem when these bytes are the shipped ones' recipe, else possibly
+    this machine's arithmetic (the bytes are reproducible on one kind of CPU, see :mod:`eagle_assets.demo.trainer`)."""
     sha = meta.get("weights_sha256", "")
-    change = ("if you changed eagle_assets/demo/ or DemoRecipe, revert or strengthen the change (more train_counts, "
-              "see `python -m eagle_assets.demo.evaluate --model-dir DIR`)")
-    if sha in gate_reference.load_references():
-        return (f"These are the weights recorded in eagle_assets/demo/gate_reference.json (sha256 {sha[:12]}...), "
-                f"so this is a recipe problem, not your machine's: {change}; otherwise report it with that "
-                "recipe.json.")
-    return (f"These weights (sha256 {sha[:12]}...) are not the ones recorded in eagle_assets/demo/"
-            "gate_reference.json: the build gives the same bytes on one kind of CPU under torch 2.13.0 (the file "
-            "records each kind measured), and this machine's arithmetic differs (another CPU, an ARM laptop, another "
-            "torch or MKL), which gives other "
-            f"weights that can fall on the wrong side of the gate. {change[0].upper()}{change[1:]}; otherwise report "
-            "it with that recipe.json and the output of `lscpu`.")
+    return (f"These weights (sha256 {sha[:12]}...) come from this machine's arithmetic: the build gives the same "
+            "bytes on one kind of CPU under torch 2.13.0, and another CPU gives other weights, which can fall on the "
+            "wrong side of the gate. If you changed eagle_assets/demo/ or DemoRecipe, strengthen the change (more "
+            "train_counts, see `python -m eagle_assets.demo.evaluate --model-dir DIR`) or build on another machine; "
+            "the shipped target (eagle_assets/demo/target/) is unaffected.")
 
 
 def build_demo_target(cache_root: Path | None = None, force: bool = False, recipe: DemoRecipe | None = None,
-                      log: Callable[[str], None] | None = None, workers: int | None = None,
-                      regate: bool | None = None, reference_path: Path | None = None) -> Path:
+                      log: Callable[[str], None] | None = None, workers: int | None = None) -> Path:
     """Return the demo target's model directory, building it first when it is absent (or ``force``).
 
     The build trains in worker processes with one thread each (:mod:`eagle_assets.demo.trainer`), so the model's
@@ -113,9 +110,7 @@ def build_demo_target(cache_root: Path | None = None, force: bool = False, recip
     (``recipe.gate_prompts_per_kind``; default every committed demo prompt) generates greedy replies to the
     committed demo prompts as the embedded server does, and accepts the model only when each default-catalog
     partition's malformed share is within its own ``max_share_dropped_warn`` (``gate.gate_failures``) and no reply
-    reaches the default catalog's ``max_new_tokens``; the figures go into ``recipe.json`` (``gate``). When the trained weights' sha256 and the
-    gate's inputs equal those of a build whose gate ran (``reference_path``, :mod:`eagle_assets.demo.gate_reference`)
-    that verdict is taken instead of regenerating the replies (``gate.verified_by`` says so).
+    reaches the default catalog's ``max_new_tokens``; the figures go into ``recipe.json`` (``gate``).
 
     Args:
         cache_root: parent directory of built targets; default :func:`default_cache_root`.
@@ -125,9 +120,6 @@ def build_demo_target(cache_root: Path | None = None, force: bool = False, recip
         log: progress callback (one line per phase); default prints to stderr.
         workers: training processes, 1 or 2 (the same bytes either way); default 2 when the machine has two
             cores or more.
-        regate: run the gate even when a reference verdict for these weights exists; default
-            ``EAGLE_ASSETS_DEMO_REGATE`` set to 1.
-        reference_path: the recorded gate verdicts; default the package's ``gate_reference.json``.
 
     Returns:
         ``<cache_root>/<first 16 hex chars of the recipe hash>``: a Hugging Face model directory. A directory
@@ -144,8 +136,6 @@ def build_demo_target(cache_root: Path | None = None, force: bool = False, recip
     recipe = recipe or DemoRecipe()
     log = log or (lambda msg: print(f"[demo-target] {msg}", file=sys.stderr, flush=True))
     workers = workers or (SHARDS if (os.cpu_count() or 1) >= SHARDS else 1)
-    if regate is None:
-        regate = os.environ.get("EAGLE_ASSETS_DEMO_REGATE", "") == "1"
     digest = recipe_hash(recipe)
     final = Path(cache_root or default_cache_root()) / digest[:16]
     rejected = rejected_path(final)
@@ -162,7 +152,7 @@ def build_demo_target(cache_root: Path | None = None, force: bool = False, recip
             raise _rejection(rejected)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
-            _build_into(tmp, recipe, digest, log, workers, regate, reference_path)
+            _build_into(tmp, recipe, digest, log, workers)
             # mkdtemp makes the directory 0700 and safetensors writes 0600; servers running as another user must
             # be able to read the target, as they can a normal model download.
             tmp.chmod(0o755)
@@ -201,8 +191,7 @@ def _build_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build_into(out: Path, recipe: DemoRecipe, digest: str, log: Callable[[str], None], workers: int,
-                regate: bool = False, reference_path: Path | None = None) -> None:
+def _build_into(out: Path, recipe: DemoRecipe, digest: str, log: Callable[[str], None], workers: int) -> None:
     t0 = time.monotonic()
     corpus = generate_mixture(recipe.tokenizer_corpus_per_kind, recipe.seed + 10_000)
     bootstrap = train_demo_tokenizer(["bootstrap"], vocab_size=512)  # only its chat template is used here
@@ -236,17 +225,8 @@ def _build_into(out: Path, recipe: DemoRecipe, digest: str, log: Callable[[str],
         "prompt_loss_weight": recipe.prompt_loss_weight, "steps": steps}))
     (work / "rows.json").write_text(json.dumps(rows))
     gate_set = select_gate_set(tokenizer, recipe)
-    references: dict[str, Any] = {}
     if gate_set is not None:
-        from eagle_assets.demo.gate import default_catalog_drop_levels
-
-        inputs_sha = gate_reference.gate_inputs_digest(tokenizer, gate_set[1], gate_set[2],
-                                                       default_catalog_drop_levels())
-        references = {} if regate else {
-            sha: entry for sha, entry in gate_reference.load_references(reference_path).items()
-            if gate_reference.matching_reference({sha: entry}, sha, inputs_sha)}
-        (work / "gate.json").write_text(json.dumps({"prompts": gate_set[1], "caps": gate_set[2],
-                                                    "reference_weights_sha256": sorted(references)}))
+        (work / "gate.json").write_text(json.dumps({"prompts": gate_set[1], "caps": gate_set[2]}))
     log(f"training: {len(rows)} transcripts, {len(steps)} steps, {sum(len(r[0]) for r in rows)} tokens, "
         f"{workers} worker process(es)")
     figures = _run_workers(work, workers, log)
@@ -257,15 +237,7 @@ def _build_into(out: Path, recipe: DemoRecipe, digest: str, log: Callable[[str],
     _portable_tokenizer_config(out / "tokenizer_config.json")
     gate: dict[str, Any] | None = None
     if gate_set is not None:
-        weights_sha = figures["weights_sha256"]
-        if weights_sha in references:
-            gate = gate_reference.reference_gate(references[weights_sha], weights_sha)
-            recorded = references[weights_sha].get("recorded", {})
-            log(f"gate: the weights (sha256 {weights_sha[:12]}...) and the gate inputs equal those of the build "
-                f"gated at {recorded.get('at', '?')} (eagle_assets/demo/gate_reference.json), so its verdict "
-                "stands (EAGLE_ASSETS_DEMO_REGATE=1 runs it again)")
-        else:
-            gate = gate_from_replies(work, gate_set, tokenizer)
+        gate = gate_from_replies(work, gate_set, tokenizer)
         for kind, r in gate["report"].items():
             log(f"gate {kind}: structure ok {r['ok']}/{r['n']}, {r['at_cap']} at the {r['cap']}-token cap, "
                 f"reply tokens {r['min_tokens']}-{r['max_tokens']} (median {r['median_tokens']})")
@@ -276,49 +248,6 @@ def _build_into(out: Path, recipe: DemoRecipe, digest: str, log: Callable[[str],
         "build_seconds": round(time.monotonic() - t0, 1), "gate": gate,
     }, indent=2) + "\n")
     log(f"done in {time.monotonic() - t0:.0f}s")
-
-
-def record_gate_reference(model_dir: Path, reference_path: Path | None = None, regenerate: bool = False,
-                          workers: int | None = None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Record the gate verdict of the built target ``model_dir`` for its weights in ``reference_path`` (default:
-    the package's ``gate_reference.json``); returns the entry. See :mod:`eagle_assets.demo.gate_reference`.
-
-    The verdict is the one its build generated replies for; when the build took its verdict from a reference
-    (``gate.verified_by``) or ``regenerate`` is set, every gate reply is generated again first, in ``workers``
-    processes with the build's environment.
-
-    Raises:
-        ValueError: ``model_dir`` was built by a recipe without a gate (``gate_prompts_per_kind == 0``).
-        RuntimeError: a gate worker failed.
-    """
-    from transformers import AutoTokenizer
-
-    log = log or (lambda msg: print(f"[demo-target] {msg}", file=sys.stderr, flush=True))
-    model_dir = Path(model_dir)
-    meta = json.loads((model_dir / RECIPE_FILE).read_text())
-    gate = meta.get("gate")
-    if regenerate or not gate or "verified_by" in gate or "reply_sha256" not in gate:
-        fields = {f.name for f in dataclasses.fields(DemoRecipe)}
-        recipe = DemoRecipe(**{k: tuple(tuple(x) for x in v) if isinstance(v, list) else v
-                               for k, v in meta["recipe"].items() if k in fields})
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        gate_set = select_gate_set(tokenizer, recipe)
-        if gate_set is None:
-            raise ValueError(f"{model_dir} was built by a recipe without a gate (gate_prompts_per_kind = 0)")
-        workers = workers or (SHARDS if (os.cpu_count() or 1) >= SHARDS else 1)
-        work = Path(tempfile.mkdtemp(prefix=".gate-", dir=model_dir.parent))
-        try:
-            (work / "job.json").write_text(json.dumps({"out": str(model_dir)}))
-            (work / "gate.json").write_text(json.dumps({"prompts": gate_set[1], "caps": gate_set[2]}))
-            _run_workers(work, workers, log, extra_args=("--gate-only",))
-            gate = gate_from_replies(work, gate_set, tokenizer)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    weights_sha = hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()
-    path = Path(reference_path or gate_reference.default_reference_path())
-    entry = gate_reference.record(path, weights_sha, gate, meta["recipe_hash"])
-    log(f"recorded the gate of weights {weights_sha[:12]}... in {path}: failures {gate['failures'] or 'none'}")
-    return entry
 
 
 def _worker_env() -> dict[str, str]:
@@ -332,8 +261,7 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def _run_workers(work: Path, workers: int, log: Callable[[str], None], extra_args: tuple[str, ...] = ()
-                 ) -> dict[str, Any]:
+def _run_workers(work: Path, workers: int, log: Callable[[str], None]) -> dict[str, Any]:
     """Train in ``workers`` processes (1 or 2: same bytes, see :mod:`eagle_assets.demo.trainer`); returns
     ``train.json``. When two workers fail (gloo cannot start, for example) the build retries with one.
 
@@ -355,7 +283,7 @@ def _run_workers(work: Path, workers: int, log: Callable[[str], None], extra_arg
             err = open(work / f"worker-{rank}.err", "w+")
             errs.append(err)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "eagle_assets.demo.trainer", str(work), str(rank), str(world), *extra_args],
+                [sys.executable, "-m", "eagle_assets.demo.trainer", str(work), str(rank), str(world)],
                 stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=err, text=True,
                 env=_worker_env(), cwd=str(work)))
 
@@ -406,22 +334,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle_assets.demo.build", description=__doc__.split("\n")[0])
     parser.add_argument("--force", action="store_true", help="rebuild even when a cached target exists")
     parser.add_argument("--cache-root", type=Path, default=None, help="default: $EAGLE_ASSETS_HOME/demo-target")
-    parser.add_argument("--regate", action="store_true",
-                        help="run the gate even when gate_reference.json has a verdict for the built weights")
-    parser.add_argument("--record-gate-reference", action="store_true",
-                        help="after the build, record its gate verdict for these weights in "
-                             "eagle_assets/demo/gate_reference.json (after a recipe or decoder change); with "
-                             "--regate the replies are generated again first")
+    parser.add_argument("--ship", action="store_true",
+                        help="copy the build (it passed its gate) into eagle_assets/demo/target/, the weights every "
+                             "machine serves; commit them")
     args = parser.parse_args(argv)
     try:
-        path = build_demo_target(args.cache_root, force=args.force, regate=args.regate or None)
+        path = build_demo_target(args.cache_root, force=args.force)
     except DemoTargetRejected as exc:
         print(exc, file=sys.stderr)
-        if not args.record_gate_reference:
-            return 1
-        path = exc.path
-    if args.record_gate_reference:
-        record_gate_reference(path, regenerate=args.regate)
+        return 1
+    if args.ship:
+        from eagle_assets.demo.shipped import ship
+
+        path = ship(path)
     print(path)
     return 0
 

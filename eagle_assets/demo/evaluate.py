@@ -17,7 +17,7 @@ from eagle_assets.demo.transcripts import ALL_KINDS
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eagle_assets.demo.build import build_demo_target
+    from eagle_assets.demo.shipped import demo_target
     from eagle_assets.demo.transcripts import generate_samples
 
     parser = argparse.ArgumentParser(prog="python -m eagle_assets.demo.evaluate",
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the default catalog's caps")
     parser.add_argument("--dtype", default="auto", help="as the embedded server's --dtype (auto = float64 on CPU)")
     args = parser.parse_args(argv)
-    model_dir = args.model_dir or build_demo_target()
+    model_dir = args.model_dir or demo_target()
     if args.fresh_seed is None:
         everything = gate_samples()
         samples = [s for kind in ALL_KINDS for s in [t for t in everything if t.kind == kind][:args.per_kind]]

@@ -4,18 +4,22 @@ partition's own ``max_share_dropped_warn`` QC level, and no reply at its cap."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import threading
 from dataclasses import dataclass
+from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
-from eagle_assets.demo import gate_reference
 from eagle_assets.demo.recipe import DemoRecipe
 from eagle_assets.demo.rows import encode_sample
 from eagle_assets.demo.tokenizer import EOS_TOKEN, PAD_TOKEN
 from eagle_assets.demo.transcripts import ALL_KINDS, KINDS, PARTITION_KIND, DemoSample
+
+# Sources whose code decides the gate's replies or verdicts (besides the weights and the prompts).
+_GATE_SOURCES = (("eagle_assets.demo", "gate.py"), ("eagle_assets.serving", "engine.py"))
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,8 @@ def check_reply(output_ids: list[int], tokenizer, expect_tool_call: bool) -> Rep
         call = json.loads(body)
     except ValueError:
         return verdict("tool_call_json")
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments"), dict):
+    if (not isinstance(call, dict) or not isinstance(call.get("name"), str)
+            or not isinstance(call.get("arguments"), dict)):
         return verdict("tool_call_json")
     return verdict("")
 
@@ -233,12 +238,6 @@ def gate_samples() -> list[DemoSample]:
     return [s for kind in KINDS for s in prompt_samples(kind)] + turn_samples()
 
 
-def gate_report(model_dir: Path) -> dict[str, Any]:
-    """Greedy replies of ``model_dir`` to :func:`gate_samples` under :func:`default_catalog_caps`, generated the
-    way the embedded server generates them (float64, continuous batching); see :func:`evaluate_target`."""
-    return evaluate_target(model_dir, gate_samples(), default_catalog_caps())
-
-
 def gate_failures(report: dict[str, Any], drop_levels: dict[str, float] | None = None) -> list[str]:
     """One line per failed rule; empty when the gate passes. The rules:
 
@@ -268,7 +267,8 @@ def gate_failures(report: dict[str, Any], drop_levels: dict[str, float] | None =
         if r["at_cap"]:
             out.append(f"{kind}: {r['at_cap']} of {r['n']} replies reach the {r['cap']}-token cap (the gate allows "
                        f"none); e.g. ...{r['examples'][0]!r}" if r["examples"] else
-                       f"{kind}: {r['at_cap']} of {r['n']} replies reach the {r['cap']}-token cap (the gate allows none)")
+                       f"{kind}: {r['at_cap']} of {r['n']} replies reach the {r['cap']}-token cap "
+                       "(the gate allows none)")
     return out
 
 
@@ -286,8 +286,8 @@ def gate_from_replies(work: Path, gate_set, tokenizer) -> dict[str, Any]:
     return {"drop_levels": levels, "failures": gate_failures(report, levels),
             "report": {k: {key: v for key, v in r.items() if key != "examples"} for k, r in report.items()},
             "examples": {k: r["examples"] for k, r in report.items() if r["examples"]},
-            "inputs_sha256": gate_reference.gate_inputs_digest(tokenizer, gate_set[1], caps, levels),
-            "reply_sha256": [gate_reference.reply_digest(r) for r in replies]}
+            "inputs_sha256": gate_inputs_digest(tokenizer, gate_set[1], caps, levels),
+            "reply_sha256": [reply_digest(r) for r in replies]}
 
 
 def select_gate_set(tokenizer, recipe: DemoRecipe):
@@ -303,3 +303,28 @@ def select_gate_set(tokenizer, recipe: DemoRecipe):
         if recipe.gate_prompts_per_kind is None or per_kind[s.kind] <= recipe.gate_prompts_per_kind:
             samples.append(s)
     return samples, [encode_sample(tokenizer, s)[0] for s in samples], [caps[s.kind] for s in samples]
+
+
+def gate_inputs_digest(tokenizer, prompts: list[list[int]], caps: list[int], drop_levels: dict[str, float]) -> str:
+    """sha256 (hex) of everything besides the weights that decides the gate's outcome: the prompt ids and caps in
+    order, the malformed-share level per partition (``gate.default_catalog_drop_levels``), the tokenizer's
+    vocabulary, the decoder's and the checker's source files and the torch and transformers versions."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"prompts": prompts, "caps": caps, "drop_levels": sorted(drop_levels.items()),
+                         "vocab": sorted(tokenizer.get_vocab().items()),
+                         "torch": metadata.version("torch"), "transformers": metadata.version("transformers")},
+                        separators=(",", ":")).encode())
+    for package, name in _GATE_SOURCES:
+        h.update(name.encode() + b"\x00" + resources.files(package).joinpath(name).read_bytes() + b"\x00")
+    return h.hexdigest()
+
+
+def reply_digest(output_ids: list[int]) -> str:
+    """sha256 (hex) of one reply's ids as int32 little-endian bytes."""
+    import array
+    import sys
+
+    buf = array.array("i", output_ids)
+    if sys.byteorder != "little":
+        buf.byteswap()
+    return hashlib.sha256(buf.tobytes()).hexdigest()

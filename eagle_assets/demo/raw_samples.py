@@ -11,7 +11,8 @@ Files and their layouts:
 - ``B1_glaive.json`` -- glaiveai/glaive-function-calling-v2 raw text: a JSON list of ``{"system": "SYSTEM: You
   are a helpful assistant with access to the following functions. Use them if required -\\n{4-space indented
   function schema}\\n\\n{...}\\n", "chat": "USER: ...\\n\\n\\nASSISTANT: <functioncall> {\\"name\\": ...,
-  \\"arguments\\": '{...}'} <|endoftext|>\\n\\n\\nFUNCTION RESPONSE: {...}\\n\\n\\nASSISTANT: ... <|endoftext|>\\n\\n\\n"}``
+  \\"arguments\\": '{...}'} <|endoftext|>\\n\\n\\nFUNCTION RESPONSE: {...}\\n\\n\\nASSISTANT: ...
+  <|endoftext|>\\n\\n\\n"}``
   (arguments wrapped in single quotes, as glaive writes them). Every call has its recorded result; about 60% of
   the conversations go on with a follow-up ``USER:`` question and its ``ASSISTANT:`` answer (the generator's turn 3,
   :func:`eagle_assets.demo.transcripts.tool_turns`), so an ``all_turns`` partition replays two or three turns.
@@ -102,7 +103,7 @@ def _glaive_malformed(sample: DemoSample, row: int) -> dict[str, str]:
         rec["chat"] = rec["chat"].split("ASSISTANT: ", 1)[1]
         rec["chat"] = "ASSISTANT: " + rec["chat"]
     else:
-        rec["chat"] = (f"USER: What is the weather like in Paris today?\n\n\n"
+        rec["chat"] = ("USER: What is the weather like in Paris today?\n\n\n"
                        "ASSISTANT: <functioncall> {\"name\": \"get_weather\", \"arguments\": '{\"city\": Paris}'} "
                        "<|endoftext|>\n\n\n")
     return rec
@@ -131,7 +132,8 @@ def opencodeinstruct_record(sample: DemoSample) -> dict[str, Any]:
     judgement = {
         "Requirement Conformance": {"score": 5, "justification": "The function meets every stated requirement."},
         "Logical Correctness": {"score": 5, "justification": "The logic is correct for all inputs."},
-        "Edge Case Consideration": {"score": 5, "justification": f"All {sample.features['n_items']} listed cases are handled."},
+        "Edge Case Consideration": {
+            "score": 5, "justification": f"All {sample.features['n_items']} listed cases are handled."},
         "Overall Assessment": {"score": 5, "justification": "A correct and clear solution."},
     }
     output = (f"```python\n{sample.features['code']}\n```")

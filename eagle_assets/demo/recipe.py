@@ -14,9 +14,9 @@ from typing import Any
 
 from eagle_assets.demo import transcripts
 
-
 # Files whose source is part of the recipe: editing any of them invalidates cached targets.
-_RECIPE_FILES = ("transcripts.py", "tokenizer.py", "recipe.py", "rows.py", "build.py", "trainer.py", "chat_template.jinja")
+_RECIPE_FILES = ("transcripts.py", "tokenizer.py", "recipe.py", "rows.py", "build.py", "trainer.py",
+                 "chat_template.jinja")
 RECIPE_FILE = "recipe.json"
 SHARDS = 2
 # Workers that may add their shard gradients with one all-reduce: one (both shards in turn) or SHARDS.
@@ -30,18 +30,19 @@ class DemoRecipe:
     Model shape: 4 layers (capture ids ``[1, 2, 3]``, set in ``catalogs/default.yaml``: SGLang's default
     ``[2, L//2, L-3]`` collides below 7 layers). 8 layers (default ids ``[2, 4, 5]``) passed the gate as well but
     cost 1.6x the training time (204 s against 123 s on an idle 2-core machine) and twice the decode time of every
-    generation; 4 passed it with every committed prompt well-formed and none at a cap. ``vocab_multiple`` pads ``config.vocab_size`` past ``len(tokenizer)`` as real checkpoints do (Qwen3: 151,936
-    embedding rows for 151,669 tokens), so consumers must not assume the two are equal.
+    generation; 4 passed it with every committed prompt well-formed and none at a cap. ``vocab_multiple`` pads
+    ``config.vocab_size`` past ``len(tokenizer)`` as real checkpoints do (Qwen3: 151,936 embedding rows for 151,669
+    tokens), so consumers must not assume the two are equal.
 
-    Training (about 800 AdamW steps over 1,700 transcripts, 642k tokens; about 130 CPU seconds in each of two
-    worker processes, see :mod:`eagle_assets.demo.trainer`): ``train_counts`` fresh transcripts per kind, each seen once, in
+    Training (about 800 AdamW steps over 1,700 transcripts, 642k tokens; about 130 CPU seconds in each of two worker
+    processes, see :mod:`eagle_assets.demo.trainer`): ``train_counts`` fresh transcripts per kind, each seen once, in
     length-sorted batches of at most ``batch_tokens`` padded tokens (two shards of half that); linear warmup, then
-    cosine decay to ``min_lr_ratio * lr``. The loss covers prompt tokens at ``prompt_loss_weight`` (prompts are
-    made of the same templated sentences, so they teach the language at no extra forward cost) and reply tokens at
-    ``reply_weights[kind]`` (default 1; a tool reply is short and depends on the request, so it gets more gradient
-    than its token count would give it). In a ``counter_repeat_prob`` share of transcripts one count-down line is
-    written twice with the copy excluded from the loss (:func:`encode_training_sample`), which teaches the model to
-    recover from its own miscounts instead of looping.
+    cosine decay to ``min_lr_ratio * lr``. The loss covers prompt tokens at ``prompt_loss_weight`` (prompts are made of
+    the same templated sentences, so they teach the language at no extra forward cost) and reply tokens at
+    ``reply_weights[kind]`` (default 1; a tool reply is short and depends on the request, so it gets more gradient than
+    its token count would give it). In a ``counter_repeat_prob`` share of transcripts one count-down line is written
+    twice with the copy excluded from the loss (:func:`encode_training_sample`), which teaches the model to recover from
+    its own miscounts instead of looping.
 
     Conversations in turns (issue 13): a ``tool_result`` transcript is a whole tool chain in one row (the call,
     its recorded result, the answer that uses it: :func:`encode_tool_chain`), so it teaches the turn-1 call as
@@ -54,18 +55,17 @@ class DemoRecipe:
     full 300 + 200, about 13% more tokens than the single-turn recipe's 717 steps.
 
     Other arithmetic (issue 12): the bytes are the same on one kind of CPU at any load
-    (:mod:`eagle_assets.demo.trainer`); other arithmetic gives other weights, and the gate decides on those. An
-    AMD EPYC builds ``3f72ee27...``: tool 50/50, tool_result 47/50, follow_up 24/26 (B1: 5 of 126 malformed,
-    4.0%), reasoning 49/50, code and math 50/50; under the per-partition gate (``gate.gate_failures``: no more
-    than the partition's own QC warn level, 5%) it passes, under the earlier 98%-per-kind rule it failed.
-    Built with the workers' kernels swapped, as another machine's arithmetic would do (measured 2026-12-02 on one
-    Xeon): MKL's ``COMPATIBLE`` branch and ATen's AVX2 (the build): 276/276 well-formed; MKL's AVX2 branch: tool_result 48/50,
-    rejected; MKL's and ATen's AVX-512: follow_up 25/26, rejected; the machine that recorded the earlier reference
-    (MKL's AVX2 branch there): 276/276. Two richer mixes did not make it robust: 400 chains + 300 follow-ups at
-    reply weight 3 (12% more tokens) passed ``COMPATIBLE`` (reasoning 49/50) and AVX2 but not AVX-512 (follow_up
-    25/26); 400 + 500 failed math under ``COMPATIBLE`` (42/50). So about half of foreign arithmetic misses the gate
-    by one or two replies: outside x86-64 with AVX2 (an ARM laptop) the build may be rejected, and its message says
-    why and what to do.
+    (:mod:`eagle_assets.demo.trainer`); other arithmetic gives other weights, and the gate decides on those. An AMD EPYC
+    builds ``3f72ee27...``: tool 50/50, tool_result 47/50, follow_up 24/26 (B1: 5 of 126 malformed, 4.0%), reasoning
+    49/50, code and math 50/50; under the per-partition gate (``gate.gate_failures``: no more than the partition's own
+    QC warn level, 5%) it passes, under the earlier 98%-per-kind rule it failed. Built with the workers' kernels
+    swapped, as another machine's arithmetic would do (measured 2026-12-02 on one Xeon): MKL's ``COMPATIBLE`` branch and
+    ATen's AVX2 (the build): 276/276 well-formed; MKL's AVX2 branch: tool_result 48/50, rejected; MKL's and ATen's
+    AVX-512: follow_up 25/26, rejected; the machine that recorded the earlier reference (MKL's AVX2 branch there):
+    276/276. Two richer mixes did not make it robust: 400 chains + 300 follow-ups at reply weight 3 (12% more tokens)
+    passed ``COMPATIBLE`` (reasoning 49/50) and AVX2 but not AVX-512 (follow_up 25/26); 400 + 500 failed math under
+    ``COMPATIBLE`` (42/50). So about half of foreign arithmetic misses the gate by one or two replies: outside x86-64
+    with AVX2 (an ARM laptop) the build may be rejected, and its message says why and what to do.
 
     Why 1024-token batches: with the same transcripts, 2048-token batches (365 steps) left the model one or two
     structure failures short of the gate per 50 reasoning prompts, and 1.5 times the transcripts at 2048 tokens

@@ -19,7 +19,8 @@ def encode_sample(tokenizer, sample: DemoSample) -> tuple[list[int], list[int]]:
     the reply is :func:`completion_text` tokenized on its own and ends with ``<|im_end|>``. Because the prompt
     ends with a control token, the concatenation equals what greedy generation produces token by token.
     """
-    text = tokenizer.apply_chat_template(sample.messages, tools=sample.tools, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(sample.messages, tools=sample.tools, add_generation_prompt=True,
+                                         tokenize=False)
     prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
     reply = tokenizer(completion_text(sample), add_special_tokens=False)["input_ids"]
     return prompt, reply

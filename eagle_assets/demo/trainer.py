@@ -12,14 +12,15 @@ whatever the machine's load, the caller's thread settings, or how many cores the
   the one branch of MKL's conditional numerical reproducibility that holds across processor vendors: the ISA
   branches (``AVX2``, ``AVX512``) are "available only for Intel processors", elsewhere MKL silently takes its
   ``AUTO`` dispatch (oneMKL Developer Guide, "Specifying Code Branches"). With ``MKL_CBWR=AVX2`` an Intel Xeon
-  with AVX-512 and AMX built other weights than the machine that recorded ``gate_reference.json`` from the same
-  rows and step plan, and they failed the gate (tool_result 48/50). The price: MKL's SSE2 kernels take 2.7x the
+  with AVX-512 and AMX built other weights than an AVX2 machine from the same rows and step plan, and they failed
+  the gate (tool_result 48/50). The price: MKL's SSE2 kernels take 2.7x the
   time of its AVX2 ones at the trainer's matrix shapes, and training takes 1.8x as long (126-137 CPU s per
   worker against 70). ATen's AVX2 kernels use exact IEEE operations only (no ``rcpps``/``rsqrtps``
   approximations). Measured, that is not enough across vendors: with these settings an AMD EPYC (AVX-512) builds
   other bytes (``3f72ee27...``) than the Intel Xeon that recorded ``991e7213...``, from the same rows and step
   plan (2026-12-04, twice, on two EPYC machines), so the bytes are reproducible on one kind of CPU, not on every
-  x86-64. ``gate_reference.json`` records a verdict per kind measured; any other CPU runs the gate itself.
+  x86-64. That is why the project ships the weights (``eagle_assets/demo/target/``): every machine serves the same
+  bytes, and a rebuild is gated on its own replies.
 - The gradient of a step is always the sum of exactly :data:`SHARDS` shard gradients, each computed on its own
   fixed rows (the plan in ``job.json``; nothing depends on timing). With two worker processes each computes one
   shard and gloo's all-reduce adds them (with two operands a sum has one rounding and ``a + b == b + a``); with
@@ -31,14 +32,10 @@ Files in the work directory (written by the build): ``job.json`` (model config, 
 ``gate.json`` (``{"prompts": [[ids]...], "caps": [...]}``). Rank 0 saves the model into ``job["out"]`` and writes
 ``train.json``; every rank then generates the gate replies of its share of the prompts (``gate-<rank>.json``), with
 the embedded server's decoder in float64 (:func:`eagle_assets.demo.gate.generate_replies`).
+Rank 0 also writes the sha256 of ``model.safetensors`` into ``train.json``.
 
-Rank 0 also writes the sha256 of ``model.safetensors`` into ``train.json``; when ``gate.json`` lists that digest in
-``reference_weights_sha256`` (a build whose gate ran produced these exact bytes with the same gate inputs:
-:mod:`eagle_assets.demo.gate_reference`) the gate replies are not regenerated.
-
-CLI (started by the build, not by hand): ``python -m eagle_assets.demo.trainer WORK_DIR RANK WORLD [--gate-only]``
-(``--gate-only``: no training, only this rank's gate replies for the model in ``job["out"]``); progress lines on
-stdout (rank 0 only).
+CLI (started by the build, not by hand): ``python -m eagle_assets.demo.trainer WORK_DIR RANK WORLD``; progress
+lines on stdout (rank 0 only).
 """
 
 from __future__ import annotations
@@ -154,8 +151,6 @@ def train(job: dict[str, Any], rows: list[list[Any]], rank: int, world: int):
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    gate_only = "--gate-only" in args
-    args = [a for a in args if a != "--gate-only"]
     work, rank, world = Path(args[0]), int(args[1]), int(args[2])
     if world not in WORLD_SIZES or not 0 <= rank < world:
         raise SystemExit(f"rank {rank} of world {world}: the demo build runs 1 or {SHARDS} workers")
@@ -168,9 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     job = json.loads((work / "job.json").read_text())
     gate_file = work / "gate.json"
-    if gate_only:  # regenerate the gate replies of an existing model (recording a gate reference); no collective
-        _gate_share(Path(job["out"]), json.loads(gate_file.read_text()), rank, world, work)
-        return 0
     rows = json.loads((work / "rows.json").read_text())
     if world > 1:
         dist.init_process_group("gloo", store=dist.FileStore(str(work / "store"), world), rank=rank,
@@ -189,10 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         if world > 1:
             dist.barrier()
         if gate_file.exists():
-            gate = json.loads(gate_file.read_text())
-            sha = json.loads((work / "train.json").read_text())["weights_sha256"]
-            if sha not in gate.get("reference_weights_sha256", []):  # else the build takes the recorded verdict
-                _gate_share(out, gate, rank, world, work)
+            _gate_share(out, json.loads(gate_file.read_text()), rank, world, work)
     finally:
         if world > 1:
             dist.destroy_process_group()

@@ -25,8 +25,8 @@ is written in the prompt ("12 numbers", "9 clues", "3 cases"): the header repeat
 with how many items are left ("7 to go: ..."), and :data:`DONE_LINE` ("0 to go, so I am done.") closes it.
 Deciding when to write ``</think>`` is then a local pattern (a decrement, and a fixed line at zero) rather than
 long-range counting, which a model of this size gets wrong. Spots where the model would have to copy from the
-prompt (names, numbers) never decide the structure: a wrong copy still yields a well-formed reply. Reply lengths therefore differ by kind and vary within a kind, as
-real reasoning-model traffic does.
+prompt (names, numbers) never decide the structure: a wrong copy still yields a well-formed reply. Reply lengths
+therefore differ by kind and vary within a kind, as real reasoning-model traffic does.
 
 The reply follows the Qwen3 layout that ``chat_template.jinja`` renders for assistant history turns: after the
 generation prompt ``<|im_start|>assistant\n<think>`` the model writes ``\n{reasoning}\n</think>\n\n`` then the
@@ -206,7 +206,8 @@ def tool_call_text(call: dict[str, Any]) -> str:
     ``ensure_ascii=False``), so history turns and generated turns agree.
     """
     fn = call["function"]
-    return '<tool_call>\n{"name": "' + fn["name"] + '", "arguments": ' + json.dumps(fn["arguments"], ensure_ascii=False) + "}\n</tool_call>"
+    return ('<tool_call>\n{"name": "' + fn["name"] + '", "arguments": '
+            + json.dumps(fn["arguments"], ensure_ascii=False) + "}\n</tool_call>")
 
 
 def completion_text(sample: DemoSample) -> str:
@@ -302,7 +303,8 @@ def tool_turns(first: DemoSample) -> tuple[DemoSample, DemoSample]:
     reasoning = " ".join([f"The function {name} returned {result}.",
                           f"This answers the question about {goal.format(**args)}.", "I will tell the user now."])
     base = {"n_items": first.features["n_items"], "function": name, "first": first}
-    second = DemoSample(kind="tool_result", messages=first.messages + [first.reply_message(), tool_result_message(first)],
+    second = DemoSample(kind="tool_result",
+                        messages=first.messages + [first.reply_message(), tool_result_message(first)],
                         tools=first.tools, reasoning=reasoning, content=final, tool_calls=None,
                         features={**base, "turn": 2})
     question, reasoning3, answer3 = first.features["follow_up"]
@@ -325,7 +327,8 @@ def _function_response(name: str, args: dict[str, Any], rng: random.Random) -> t
     """A plausible function result and the assistant's final sentence (for glaive's second ASSISTANT block)."""
     if name == "get_weather":
         t = rng.randint(-5, 35)
-        return {"temperature": t, "condition": rng.choice(["sunny", "cloudy", "rainy"])}, f"It is {t} degrees in {args['city']} right now."
+        return ({"temperature": t, "condition": rng.choice(["sunny", "cloudy", "rainy"])},
+                f"It is {t} degrees in {args['city']} right now.")
     if name == "get_stock_price":
         p = round(rng.uniform(50, 900), 2)
         return {"price": p}, f"One share of {args['symbol']} costs {p} dollars."
@@ -336,9 +339,11 @@ def _function_response(name: str, args: dict[str, Any], rng: random.Random) -> t
         h = rng.randint(6, 21)
         return {"flights": [{"departure": f"{h}:00"}]}, f"There is a flight to {args['destination']} at {h}:00."
     if name == "search_recipes":
-        return {"recipes": [f"{args['ingredient']} soup", f"{args['ingredient']} salad"]}, f"You could make a {args['ingredient']} soup or a {args['ingredient']} salad."
+        return ({"recipes": [f"{args['ingredient']} soup", f"{args['ingredient']} salad"]},
+                f"You could make a {args['ingredient']} soup or a {args['ingredient']} salad.")
     if name == "get_news":
-        return {"headlines": [f"New {args['topic']} record", f"{args['topic'].title()} update"]}, f"Here are the latest {args['topic']} headlines."
+        return ({"headlines": [f"New {args['topic']} record", f"{args['topic'].title()} update"]},
+                f"Here are the latest {args['topic']} headlines.")
     raise KeyError(name)
 
 
@@ -399,7 +404,8 @@ def _math_sample(rng: random.Random) -> DemoSample:
     op = rng.choice(["largest", "smallest", "even"])
     who = rng.choice(_NAMES)
     listed = ", ".join(str(x) for x in nums)
-    question = {"largest": "Which of these numbers is the largest?", "smallest": "Which of these numbers is the smallest?",
+    question = {"largest": "Which of these numbers is the largest?",
+                "smallest": "Which of these numbers is the smallest?",
                 "even": "How many of these numbers are even?"}[op]
     user = f"{who} writes down {n} numbers: {listed}. {question} Return your final response within \\boxed{{}}."
     lines = [f"There are {n} numbers, so I will check them one at a time and count down from {n}."]
@@ -412,13 +418,16 @@ def _math_sample(rng: random.Random) -> DemoSample:
                 acc = x
                 lines.append(f"{left} to go: the first number is {x}, so the {op} so far is {x}.")
             elif (x > acc) if op == "largest" else (x < acc):
-                lines.append(f"{left} to go: the next number is {x}. It is {word} than {acc}, so the {op} so far is now {x}.")
+                lines.append(f"{left} to go: the next number is {x}. It is {word} than {acc}, "
+                             f"so the {op} so far is now {x}.")
                 acc = x
             else:
-                lines.append(f"{left} to go: the next number is {x}. It is not {word} than {acc}, so the {op} so far stays {acc}.")
+                lines.append(f"{left} to go: the next number is {x}. It is not {word} than {acc}, "
+                             f"so the {op} so far stays {acc}.")
         elif x % 2 == 0:
             acc += 1
-            lines.append(f"{left} to go: the next number is {x}. It is even, so the count of even numbers is now {acc}.")
+            lines.append(f"{left} to go: the next number is {x}. It is even, "
+                         f"so the count of even numbers is now {acc}.")
         else:
             lines.append(f"{left} to go: the next number is {x}. It is odd, so the count of even numbers stays {acc}.")
     result = {"largest": f"the largest number is {acc}", "smallest": f"the smallest number is {acc}",

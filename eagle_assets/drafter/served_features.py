@@ -66,7 +66,7 @@ from eagle_assets.serving.aux_capture import (
     text_config,
 )
 from eagle_assets.serving.client import GenerateClient, normalize_url, run_sync
-from eagle_assets.serving.protocol import GenerateFailure, ReplyError
+from eagle_assets.serving.protocol import GenerateFailure, GenerateRequest, ReplyError, SamplingParams
 
 Row = Any  # (input_ids, loss_mask) pair, or an object with .ids and .mask (feature_cache.PreparedRow)
 
@@ -262,16 +262,9 @@ class ServedFeatureSource:
     def request_body(self, input_ids: np.ndarray, rid: str) -> bytes:
         """The ``/generate`` body for one row (see the module docstring)."""
         k = self.settings.top_k if self.settings.teacher == "topk" else 1
-        body = {
-            "rid": rid,
-            "input_ids": [int(t) for t in input_ids],
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-            "return_hidden_states": True,
-            "return_logprob": True,
-            "logprob_start_len": 0,
-            "top_logprobs_num": k,
-        }
-        return json.dumps(body).encode()
+        return GenerateRequest(input_ids=input_ids.tolist(), sampling_params=SamplingParams(max_new_tokens=1,
+                               temperature=0.0), rid=rid, return_hidden_states=True, return_logprob=True,
+                               logprob_start_len=0, top_logprobs_num=k).to_bytes()
 
     def _add(self, **counts: int) -> None:
         with self._stats_lock:

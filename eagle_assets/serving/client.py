@@ -44,8 +44,15 @@ import aiohttp
 import orjson
 
 from eagle_assets.figures.running import DurationSketch
-from eagle_assets.serving.protocol import (GenerateFailure, GenerateReply, ReplyError, SamplingParams, WellFormed,
-                                           parse_generate_reply)
+from eagle_assets.serving.protocol import (
+    GenerateFailure,
+    GenerateReply,
+    GenerateRequest,
+    ReplyError,
+    SamplingParams,
+    WellFormed,
+    parse_generate_reply,
+)
 
 Result = GenerateReply | GenerateFailure
 _USERINFO = re.compile(r"//[^/@\s]+@")
@@ -321,7 +328,7 @@ class GenerateClient:
         def sampling_bytes(sp: SamplingParams) -> bytes:
             hit = encoded.get(id(sp))
             if hit is None or hit[0] is not sp:
-                hit = (sp, json.dumps(sp.to_json(), separators=(",", ":")).encode())
+                hit = (sp, orjson.dumps(sp.to_json()))
                 encoded[id(sp)] = hit
             return hit[1]
 
@@ -523,8 +530,7 @@ class GenerateClient:
         ids, problem = self._check_input(ids, vocab_size)
         if ids is None:
             return GenerateFailure(rid=rid, kind="bad_input", attempts=0, last_error=problem)
-        body = b"".join((b'{"input_ids":', _ids_json(ids), b',"sampling_params":', sp_bytes, b',"rid":',
-                         json.dumps(rid).encode(), b"}"))
+        body = GenerateRequest(input_ids=ids, sampling_params=sp, rid=rid).to_bytes(sp_bytes)
 
         def parse(raw: bytes) -> GenerateReply:
             return parse_generate_reply(raw, ids, vocab_size, max_new_tokens=sp.max_new_tokens, rid=rid,
@@ -619,15 +625,6 @@ class GenerateClient:
         if status >= 500:
             return _Attempt("http_5xx", f"{where}: {excerpt}", True, _retry_after(headers), server_fault=True)
         return _Attempt(f"http_{status}", f"{where}: {excerpt}", False)
-
-
-def _ids_json(ids: list[int]) -> bytes:
-    """``input_ids`` as compact JSON bytes: orjson (~10x json's speed on a few hundred ids), json for what orjson
-    cannot write (ints past 64 bits, reachable only without a vocab check)."""
-    try:
-        return orjson.dumps(ids)
-    except TypeError:
-        return json.dumps(ids, separators=(",", ":")).encode()
 
 
 def _item_rid(item: Any) -> str:

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from eagle_assets.serving.engine import EngineResult
-from eagle_assets.serving.protocol import SGLANG_DEFAULT_MAX_NEW_TOKENS, SamplingParams
+from eagle_assets.serving.protocol import (
+    SGLANG_DEFAULT_MAX_NEW_TOKENS,
+    FinishReason,
+    GenerateReply,
+    GenerateRequest,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 
@@ -28,16 +34,27 @@ _HIDDEN_RANK = {None: 0, "last": 1, "full": 2}  # SGLang's CaptureHiddenMode ord
 
 @dataclass
 class GenerateItem:
-    """One parsed input of a ``/generate`` body: what the engine runs and what its reply reports."""
+    """One parsed input of a ``/generate`` body: the typed request (its ``max_new_tokens`` capped to the context
+    left) and what the server resolved from it."""
 
-    rid: str
-    ids: list[int]
-    sp: SamplingParams
+    request: GenerateRequest
     prefill_only: bool = False
     hidden: str | None = None
     logprob_start: int | None = None
     top_logprobs: int = 0
     text_in_logprobs: bool = False
+
+    @property
+    def rid(self) -> str:
+        return str(self.request.rid)
+
+    @property
+    def ids(self) -> list[int]:
+        return list(self.request.input_ids)
+
+    @property
+    def sp(self) -> SamplingParams:
+        return self.request.sampling_params
 
 
 def _per_item(body: dict, key: str, n: int, default: Any) -> list[Any]:
@@ -151,7 +168,11 @@ class GenerateIO:
                     )
                 if sp.max_new_tokens > room:
                     sp = dataclasses.replace(sp, max_new_tokens=room)
-            item = GenerateItem(r, ids, sp, prefill_only=prefill_only, hidden=hidden[i], text_in_logprobs=text_in_lp)
+            request = GenerateRequest(input_ids=ids, sampling_params=sp, rid=r,
+                                      return_hidden_states={"last": "last", "full": True}.get(hidden[i], False),
+                                      return_logprob=bool(want_lp[i]), logprob_start_len=starts[i],
+                                      top_logprobs_num=tops[i])
+            item = GenerateItem(request, prefill_only=prefill_only, hidden=hidden[i], text_in_logprobs=text_in_lp)
             if want_lp[i]:
                 item.logprob_start, item.top_logprobs = self._logprob_range(ids, starts[i], tops[i], prefill_only)
             items.append(item)
@@ -232,14 +253,7 @@ class GenerateIO:
             # SGLang trims a matched stop token from the text only; output_ids keep it
             shown = res.output_ids[:-1] if res.finish_reason.get("type") == "stop" else res.output_ids
             text = self.tokenizer.decode(shown, skip_special_tokens=sp.skip_special_tokens)
-        meta: dict[str, Any] = {
-            "id": res.rid,
-            "finish_reason": res.finish_reason,
-            "prompt_tokens": res.prompt_tokens,
-            "completion_tokens": res.completion_tokens,
-            "cached_tokens": 0,
-            "e2e_latency": round(res.e2e_latency, 6),
-        }
+        meta: dict[str, Any] = {}
         if item.logprob_start is not None and res.finish_reason.get("type") != "abort":
             meta.update(self._logprob_meta(res, item))
         if item.hidden is not None and res.hidden_blocks is not None:
@@ -249,7 +263,10 @@ class GenerateIO:
             else:
                 # output_streamer.py: hs[: finished_len], and finished_len == len(output_ids) at the finish
                 meta["hidden_states"] = [_json_rows(b) for b in blocks[: len(res.output_ids)]]
-        return {"text": text, "output_ids": res.output_ids, "meta_info": meta}
+        reply = GenerateReply(output_ids=res.output_ids, finish_reason=FinishReason.from_json(res.finish_reason),
+                              prompt_tokens=res.prompt_tokens, completion_tokens=res.completion_tokens,
+                              e2e_latency=round(res.e2e_latency, 6), cached_tokens=0, rid=res.rid, text=text)
+        return reply.to_json(**meta)
 
     def _token_text(self, ids: list[int], with_text: bool) -> list[str | None]:
         if not with_text or self.tokenizer is None:

@@ -3,7 +3,9 @@
 Sources (sgl-project/sglang):
 
 - Request body: ``GenerateReqInput`` in ``python/sglang/srt/managers/io_struct.py``: ``input_ids`` (one list of ints
-  or a list of them), ``sampling_params`` (a dict, or one per item), ``rid`` (a string, or one per item).
+  or a list of them), ``sampling_params`` (a dict, or one per item), ``rid`` (a string, or one per item),
+  ``return_hidden_states``, ``return_logprob`` / ``logprob_start_len`` / ``top_logprobs_num``. One prompt's body
+  is :class:`GenerateRequest`; its reply :class:`GenerateReply`. Client, embedded server and tests use these two.
 - Sampling fields and defaults: ``SamplingParams`` in ``python/sglang/srt/sampling/sampling_params.py``:
   ``max_new_tokens`` defaults to **128** when absent, ``temperature`` 1.0 (values below 1e-6 mean greedy),
   ``top_p`` 1.0, ``top_k`` -1 (whole vocabulary), ``stop_token_ids``, ``skip_special_tokens`` (default True there),
@@ -255,6 +257,7 @@ class FinishReason:
         length: for ``length``: the cap that was hit (SGLang reports ``max_new_tokens``).
         message: for ``abort``: SGLang's message.
         status_code: for ``abort``: the HTTP-like status SGLang attached (400 = the request itself is invalid).
+        err_type: for ``abort``: SGLang's error class name (``BadRequestError``, ``InternalServerError``).
     """
 
     type: str
@@ -262,6 +265,7 @@ class FinishReason:
     length: int | None = None
     message: str | None = None
     status_code: int | None = None
+    err_type: str | None = None
 
     @classmethod
     def from_json(cls, obj: Any) -> "FinishReason":
@@ -291,6 +295,7 @@ class FinishReason:
             length=length,
             message=None if message is None else str(message),
             status_code=status if isinstance(status, int) and not isinstance(status, bool) else None,
+            err_type=obj.get("err_type") if isinstance(obj.get("err_type"), str) else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -299,7 +304,68 @@ class FinishReason:
             return {"type": "stop", "matched": self.matched}
         if self.type == "length":
             return {"type": "length", "length": self.length}
-        return {"type": self.type, "message": self.message, "status_code": self.status_code}
+        return {"type": self.type, "message": self.message, "status_code": self.status_code,
+                "err_type": self.err_type}
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """The ``/generate`` body for one prompt (``GenerateReqInput``'s single-item form, SGLang names).
+
+    Attributes:
+        input_ids: the prompt's token ids (ints of the target vocab), as ``apply_chat_template`` gave them.
+        sampling_params: :class:`SamplingParams` (``max_new_tokens`` always set).
+        rid: request id, echoed as ``meta_info.id``; None lets the server choose one.
+        return_hidden_states: ``True`` (every position's state), ``"last"`` (the last one) or ``False``.
+        return_logprob, logprob_start_len, top_logprobs_num: SGLang's logprob request (-1 = output tokens only).
+    """
+
+    input_ids: Sequence[int]
+    sampling_params: SamplingParams
+    rid: str | None = None
+    return_hidden_states: bool | str = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The body as a dict: ``input_ids``, ``sampling_params`` and ``rid``, and the other fields when they are
+        not SGLang's defaults."""
+        out: dict[str, Any] = {"input_ids": [int(t) for t in self.input_ids],
+                               "sampling_params": self.sampling_params.to_json()}
+        if self.rid is not None:
+            out["rid"] = self.rid
+        if self.return_hidden_states:
+            out["return_hidden_states"] = self.return_hidden_states
+        if self.return_logprob:
+            out.update(return_logprob=True, logprob_start_len=self.logprob_start_len,
+                       top_logprobs_num=self.top_logprobs_num)
+        return out
+
+    def to_bytes(self, sampling_json: bytes | None = None) -> bytes:
+        """The body as compact JSON bytes. ``sampling_json``: ``sampling_params`` already encoded (a client sends
+        thousands of requests with one :class:`SamplingParams`, and encodes it once)."""
+        body = self.to_json()
+        if sampling_json is not None:
+            body["sampling_params"] = orjson.Fragment(sampling_json)
+        try:
+            return orjson.dumps(body)
+        except TypeError:  # ints past 64 bits (no vocab check upstream): json writes them, the server refuses them
+            return json.dumps(self.to_json(), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any], *, default_max_new_tokens: int | None = None) -> "GenerateRequest":
+        """One single-item body (``input_ids`` a flat list). Raises ``ValueError`` naming the field that is wrong."""
+        ids = obj.get("input_ids")
+        if not isinstance(ids, list) or not ids or not set(map(type, ids)) <= _INT_ONLY:
+            raise ValueError(f"input_ids must be a non-empty list of ints, got {str(ids)[:80]}")
+        rid = obj.get("rid")
+        return cls(input_ids=ids, rid=None if rid is None else str(rid),
+                   sampling_params=SamplingParams.from_json(obj.get("sampling_params"),
+                                                            default_max_new_tokens=default_max_new_tokens),
+                   return_hidden_states=obj.get("return_hidden_states", False),
+                   return_logprob=bool(obj.get("return_logprob", False)),
+                   logprob_start_len=obj.get("logprob_start_len", -1), top_logprobs_num=obj.get("top_logprobs_num", 0))
 
 
 @dataclass(slots=True)
@@ -308,6 +374,7 @@ class GenerateReply:
 
     Attributes:
         output_ids: generated token ids (ints of the target vocab), the matched stop id included.
+        text: the reply's ``text`` (the detokenized ids, a matched stop id trimmed); not validated.
         finish_reason: parsed ``meta_info.finish_reason`` (never ``abort``: aborts raise ``ReplyError``).
         prompt_tokens: ``meta_info.prompt_tokens`` (== len(prompt ids) when they were given to
             ``parse_generate_reply``).
@@ -330,6 +397,16 @@ class GenerateReply:
     attempts: int = 1
     latency_s: float | None = None
     server_url: str | None = None
+    text: str = ""
+
+    def to_json(self, **meta: Any) -> dict[str, Any]:
+        """The reply as SGLang writes it: ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
+        "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", **meta}}`` (``meta``: the optional
+        fields a request asked for, e.g. ``hidden_states``)."""
+        info: dict[str, Any] = {"id": self.rid, "finish_reason": self.finish_reason.to_json(),
+                                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                                "cached_tokens": self.cached_tokens or 0, "e2e_latency": self.e2e_latency, **meta}
+        return {"text": self.text, "output_ids": self.output_ids, "meta_info": info}
 
 
 @dataclass(frozen=True)
@@ -613,4 +690,5 @@ def parse_generate_reply(
         e2e_latency=float(latency) if isinstance(latency, (int, float)) and not isinstance(latency, bool) else None,
         cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) else None,
         rid=None if server_rid is None else str(server_rid),
+        text=reply["text"] if isinstance(reply.get("text"), str) else "",
     )
