@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 import torch
+
+from eagle_assets.storage.shards import atomic_file
 
 SHARD_FORMAT = "eagle-assets/served-features/1"
 _FLOAT_TENSORS = ("aux_hidden", "teacher_logprobs")
@@ -197,15 +197,8 @@ def write_shard(path: str | Path, spec: FeatureSpec, rows: Sequence[RowFeatures]
     }
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_file(path) as tmp:
         save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
 
 

@@ -31,6 +31,7 @@ from eagle_assets.drafter.learning_curve import CurvePoint, StepMetrics
 from eagle_assets.drafter.model import DrafterConfig
 from eagle_assets.drafter.recipe import TRAJECTORY_FIELDS, StepPlan, TrainConfig
 from eagle_assets.drafter.vocab import DraftVocab
+from eagle_assets.storage.shards import atomic_file, fsync_path
 
 #: format of the files :class:`TrainState` writes. Bump it whenever a code change alters the training trajectory
 #: (loss, batching, initialization, optimizer, evaluation), so that states from the old code are not continued.
@@ -157,34 +158,11 @@ class Snapshot:
     steps: list[StepMetrics]
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories; the rename is still atomic
-    finally:
-        os.close(fd)
-
-
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """``write(tmp)`` into a hidden sibling, fsync it, rename it over ``path``: readers see old or new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    """``write(tmp)`` into a hidden sibling, fsync it, rename it over ``path``: readers see old or new, never half
+    (``storage.shards.atomic_file`` with ``durable``)."""
+    with atomic_file(path, durable=True) as tmp:
+        write(Path(tmp))
 
 
 class TrainState:
@@ -293,7 +271,7 @@ class TrainState:
     def clear(self) -> None:
         """Remove every state file (``state.json`` first: from then on nothing here is resumable)."""
         (self.path / self.STATE).unlink(missing_ok=True)
-        _fsync_dir(self.path)
+        fsync_path(self.path)
         for pattern in ("tensors-*.safetensors", self.STEPS, ".*.tmp-*"):
             for f in self.path.glob(pattern):
                 f.unlink(missing_ok=True)

@@ -14,8 +14,6 @@ duplicate rule), independent of the number of output tokens.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,10 +24,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from eagle_assets.qc.segment_batch import FLAG_BIT, FLAG_ORDER, KEPT, list_parts, segment_batch
+from eagle_assets.storage.shards import AtomicParquetWriter, shard_paths
 from eagle_assets.structure.segment import DROP_REASONS, FLAGS
-from eagle_assets.qc.segment_batch import KEPT, FLAG_BIT, FLAG_ORDER, list_parts, segment_batch
 from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
-from eagle_assets.storage.shards import shard_paths
 
 QC_SCHEMA = pa.schema(
     [
@@ -98,7 +96,7 @@ class QcSummary:
         ``qc.thresholds.evaluate_response_length`` (same median, p10, share under ``short_tokens``, share
         truncated) from an exact length histogram and the finish-reason counts, without a list per row."""
         from eagle_assets.figures.running import LengthHistogram
-        from eagle_assets.qc.thresholds import threshold_value, response_length_outcome
+        from eagle_assets.qc.thresholds import response_length_outcome, threshold_value
 
         n = int(self.completion_tokens.size)
         if not n:
@@ -163,8 +161,7 @@ class ShardWriter:
                              f"{bytes_per_shard}")
         self.out_dir, self.schema = Path(out_dir), schema
         self.rows_cap, self.bytes_cap = rows_per_shard, bytes_per_shard
-        self._writer: pq.ParquetWriter | None = None
-        self._tmp: str | None = None
+        self._shard: AtomicParquetWriter | None = None
         self._rows = self._bytes = 0
         self.written: list[Path] = []
 
@@ -176,30 +173,23 @@ class ShardWriter:
             # rows that fit both budgets, at least one (a single row over the byte cap is a shard of its own)
             room = max(1, min(self.rows_cap - self._rows, int((self.bytes_cap - self._bytes) / per_row)))
             head, table = table.slice(0, room), table.slice(room)
-            self._open().write_table(head)
+            self._open().write(head)
             self._rows += head.num_rows
             self._bytes += int(head.num_rows * per_row)
             if self._rows >= self.rows_cap or self._bytes >= self.bytes_cap:
                 self._finish()
 
-    def _open(self) -> pq.ParquetWriter:
-        if self._writer is None:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            fd, self._tmp = tempfile.mkstemp(prefix=".shard.", suffix=".tmp", dir=self.out_dir)
-            os.close(fd)
-            self._writer = pq.ParquetWriter(self._tmp, self.schema, compression="zstd")
-        return self._writer
+    def _open(self) -> AtomicParquetWriter:
+        if self._shard is None:
+            self._shard = AtomicParquetWriter(self.out_dir / f"shard-{len(self.written):05d}.parquet", self.schema)
+        return self._shard
 
     def _finish(self) -> None:
-        writer = self._open()
-        writer.close()
-        path = self.out_dir / f"shard-{len(self.written):05d}.parquet"
-        os.replace(self._tmp, path)
-        self.written.append(path)
-        self._writer, self._tmp, self._rows, self._bytes = None, None, 0, 0
+        self.written.append(self._open().commit())
+        self._shard, self._rows, self._bytes = None, 0, 0
 
     def close(self) -> list[Path]:
-        if self._writer is not None or not self.written:
+        if self._shard is not None or not self.written:
             self._finish()
         keep = set(self.written)
         for old in shard_paths(self.out_dir):
@@ -209,10 +199,9 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Drop the shard being written (its temp file); finished shards stay."""
-        if self._writer is not None:
-            self._writer.close()
-            os.unlink(self._tmp)
-            self._writer, self._tmp = None, None
+        if self._shard is not None:
+            self._shard.abort()
+            self._shard = None
 
 
 def qc_partition(
@@ -256,82 +245,79 @@ def qc_partition(
     codes, n_out, reasoning, answer = [], [], [], []
     seen: set[str] = set()
     shards = ShardWriter(out_dir, QC_SCHEMA, rows_per_shard, bytes_per_shard)
-    fd, rows_tmp = tempfile.mkstemp(prefix=".rows.parquet.", suffix=".tmp", dir=out_dir)
-    os.close(fd)
+    rows_out = AtomicParquetWriter(out_dir / "rows.parquet", ROWS_SCHEMA)
     try:
-        with pq.ParquetWriter(rows_tmp, ROWS_SCHEMA, compression="zstd") as rows_out:
-            for path in generation_shards:
-                for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
-                    names = batch.schema.names
-                    sids = batch.column(names.index("sample_id")).to_pylist() if "sample_id" in names else \
-                        [None] * batch.num_rows
-                    take, pidx = [], []
-                    for j, sid in enumerate(sids):
-                        p = index.get(sid)
-                        if p is None:  # generated from an older prompt set; not part of this partition any more
-                            summary.reasons["stale_prompt"] += 1
-                        elif sid in seen:  # one training row per sample, whoever wrote the shards
-                            summary.reasons["duplicate_row"] += 1
-                        else:
-                            seen.add(sid)
-                            take.append(j)
-                            pidx.append(p)
-                    if not take:
-                        continue
-                    sub = pa.Table.from_batches([batch]).take(pa.array(take, type=pa.int64()))
-                    pidx_arr = np.array(pidx, dtype=np.int64)
-                    pcol = prompts.take(pidx_arr)
-                    opens = opens_all[pidx_arr]
-                    unknown = np.flatnonzero(opens < 0)
-                    if len(unknown):
-                        from eagle_assets.target_model.render import opens_think_block
+        for path in generation_shards:
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
+                names = batch.schema.names
+                sids = batch.column(names.index("sample_id")).to_pylist() if "sample_id" in names else \
+                    [None] * batch.num_rows
+                take, pidx = [], []
+                for j, sid in enumerate(sids):
+                    p = index.get(sid)
+                    if p is None:  # generated from an older prompt set; not part of this partition any more
+                        summary.reasons["stale_prompt"] += 1
+                    elif sid in seen:  # one training row per sample, whoever wrote the shards
+                        summary.reasons["duplicate_row"] += 1
+                    else:
+                        seen.add(sid)
+                        take.append(j)
+                        pidx.append(p)
+                if not take:
+                    continue
+                sub = pa.Table.from_batches([batch]).take(pa.array(take, type=pa.int64()))
+                pidx_arr = np.array(pidx, dtype=np.int64)
+                pcol = prompts.take(pidx_arr)
+                opens = opens_all[pidx_arr]
+                unknown = np.flatnonzero(opens < 0)
+                if len(unknown):
+                    from eagle_assets.target_model.render import opens_think_block
 
-                        opens[unknown] = [opens_think_block(p, profile)
-                                          for p in pcol.take(pa.array(unknown)).to_pylist()]
-                    opens = opens.astype(bool)
-                    seg = segment_batch(sub, profile, prompt_opens_think=opens, prompt_ids=pcol,
-                                        tool_call_in_reasoning=tool_call_in_reasoning, blank_ids=blank_ids,
-                                        vocab_size=vocab_size, control_ids=control_ids)
-                    kept = seg.kept
-                    short = kept & (seg.completion_tokens < short_tokens)
-                    finish = sub.column("finish_reason") if "finish_reason" in sub.schema.names else \
-                        pa.nulls(sub.num_rows, pa.string())
-                    finish = finish.combine_chunks()
-                    if not pa.types.is_string(finish.type):
-                        finish = pa.array([v if isinstance(v, str) else None for v in finish.to_pylist()],
-                                          type=pa.string())
-                    n = sub.num_rows
-                    drop_names = pa.array([None if c < 0 else DROP_REASONS[c] for c in seg.drop_code.tolist()],
-                                          type=pa.string())
-                    sid_col = pa.array([sids[j] for j in take], type=pa.string())
-                    rows_out.write_table(pa.Table.from_arrays([
-                        pa.array([partition] * n, type=pa.string()), sid_col, pa.array(seg.completion_tokens),
-                        pa.array(seg.reasoning_tokens), pa.array(seg.answer_tokens), pa.array(seg.tool_call_tokens),
-                        finish, pa.array([max_new_tokens] * n, type=pa.int32()), pa.array(kept), pa.array(short),
-                        drop_names,
-                    ], schema=ROWS_SCHEMA))
-                    keep = np.flatnonzero(kept)
-                    if len(keep):
-                        out_col = sub.column("output_ids").combine_chunks()
-                        shards.add(training_rows(sid_col, pcol, out_col, seg, keep))
-                    codes.append(seg.drop_code)
-                    n_out.append(seg.completion_tokens)
-                    reasoning.append(seg.reasoning_tokens)
-                    answer.append(seg.answer_tokens)
-                    summary.finish_reasons.update(
-                        dict(zip(*(c.to_pylist() for c in pc.value_counts(finish).flatten()))))
-                    summary.kept += len(keep)
-                    summary.short += int(short.sum())
-                    summary.output_tokens += int(seg.completion_tokens.sum(dtype=np.int64))
-                    for c, k in zip(*np.unique(seg.drop_code[~kept], return_counts=True)):
-                        summary.reasons[DROP_REASONS[c]] += int(k)
-                    summary.flags.update({f: k for f, k in seg.flag_counts().items() if k})
+                    opens[unknown] = [opens_think_block(p, profile)
+                                      for p in pcol.take(pa.array(unknown)).to_pylist()]
+                opens = opens.astype(bool)
+                seg = segment_batch(sub, profile, prompt_opens_think=opens, prompt_ids=pcol,
+                                    tool_call_in_reasoning=tool_call_in_reasoning, blank_ids=blank_ids,
+                                    vocab_size=vocab_size, control_ids=control_ids)
+                kept = seg.kept
+                short = kept & (seg.completion_tokens < short_tokens)
+                finish = sub.column("finish_reason") if "finish_reason" in sub.schema.names else \
+                    pa.nulls(sub.num_rows, pa.string())
+                finish = finish.combine_chunks()
+                if not pa.types.is_string(finish.type):
+                    finish = pa.array([v if isinstance(v, str) else None for v in finish.to_pylist()],
+                                      type=pa.string())
+                n = sub.num_rows
+                drop_names = pa.array([None if c < 0 else DROP_REASONS[c] for c in seg.drop_code.tolist()],
+                                      type=pa.string())
+                sid_col = pa.array([sids[j] for j in take], type=pa.string())
+                rows_out.write(pa.Table.from_arrays([
+                    pa.array([partition] * n, type=pa.string()), sid_col, pa.array(seg.completion_tokens),
+                    pa.array(seg.reasoning_tokens), pa.array(seg.answer_tokens), pa.array(seg.tool_call_tokens),
+                    finish, pa.array([max_new_tokens] * n, type=pa.int32()), pa.array(kept), pa.array(short),
+                    drop_names,
+                ], schema=ROWS_SCHEMA))
+                keep = np.flatnonzero(kept)
+                if len(keep):
+                    out_col = sub.column("output_ids").combine_chunks()
+                    shards.add(training_rows(sid_col, pcol, out_col, seg, keep))
+                codes.append(seg.drop_code)
+                n_out.append(seg.completion_tokens)
+                reasoning.append(seg.reasoning_tokens)
+                answer.append(seg.answer_tokens)
+                summary.finish_reasons.update(
+                    dict(zip(*(c.to_pylist() for c in pc.value_counts(finish).flatten()))))
+                summary.kept += len(keep)
+                summary.short += int(short.sum())
+                summary.output_tokens += int(seg.completion_tokens.sum(dtype=np.int64))
+                for c, k in zip(*np.unique(seg.drop_code[~kept], return_counts=True)):
+                    summary.reasons[DROP_REASONS[c]] += int(k)
+                summary.flags.update({f: k for f, k in seg.flag_counts().items() if k})
         summary.shards = shards.close()
-        os.replace(rows_tmp, out_dir / "rows.parquet")
+        rows_out.commit()
     finally:
         shards.abort()
-        if os.path.exists(rows_tmp):
-            os.unlink(rows_tmp)
+        rows_out.abort()
     cat = (lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dtype=dt))
     summary.drop_code = cat(codes, np.int8)
     summary.completion_tokens = cat(n_out, np.int32)

@@ -28,13 +28,13 @@ from eagle_assets.raw_prompts.write import (
     ROW_GROUP_ROWS,
     SPILL_ROWS,
     RawPromptsSummary,
-    RowGroupWriter,
     chunk_of,
     emit_in_order,
     parse_sources,
+    row_group_writer,
     write_raw_prompts,
 )
-from eagle_assets.storage.shards import write_json_atomic
+from eagle_assets.storage.shards import AtomicParquetWriter, atomic_file, write_json_atomic
 
 DATASET_CACHE_FORMAT = "2"  # bump when the files of a dataset's parse change meaning (2: Arrow IPC chunk files)
 MAX_OPEN_CHUNK_FILES = 64  # chunk files one pass over the sampled rows writes at once (more chunks: more passes)
@@ -183,7 +183,7 @@ def _build_dataset_parse(partition_key: str, sources: list[tuple[Path, str]], po
         spill_dir = build / "spill"
         spill_dir.mkdir()
         summary = RawPromptsSummary(parsed=True)
-        rejects = RowGroupWriter(build / "rejects.parquet", REJECT_SCHEMA)
+        rejects = row_group_writer(build / "rejects.parquet", REJECT_SCHEMA)
         try:
             spills, selected = parse_sources(partition_key, sources, policy, spill_dir, rejects, summary,
                                               seed=seed, limit=limit, chunk=None)
@@ -220,9 +220,8 @@ def _write_chunk_from_parse(parse: Path, out_dir: Path, chunk: tuple[int, int], 
     summary = RawPromptsSummary(available=meta["available"], parsed=parsed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    prompts = RowGroupWriter(out_dir / "prompts.parquet", RAW_SCHEMA)
-    rejects: RowGroupWriter | None = None
-    copied: str | None = None
+    prompts = row_group_writer(out_dir / "prompts.parquet", RAW_SCHEMA)
+    rejects: AtomicParquetWriter | None = None
     try:
         part = parse / f"chunk-{index:05d}.arrow"
         if part.exists():
@@ -231,14 +230,12 @@ def _write_chunk_from_parse(parse: Path, out_dir: Path, chunk: tuple[int, int], 
                 for i in range(reader.num_record_batches):
                     prompts.write(pa.Table.from_batches([reader.get_batch(i)], schema=RAW_SCHEMA))
         if index == 0:  # the dataset's rejects: the parse's file as it is
-            fd, copied = tempfile.mkstemp(prefix=".rejects.parquet.", suffix=".tmp", dir=out_dir)
-            os.close(fd)
-            shutil.copyfile(parse / "rejects.parquet", copied)
-            summary.rejected, summary.reasons = meta["rejected"], Counter(meta["reasons"])
-            prompts.commit()
-            os.replace(copied, out_dir / "rejects.parquet")
+            with atomic_file(out_dir / "rejects.parquet") as copied:
+                shutil.copyfile(parse / "rejects.parquet", copied)
+                summary.rejected, summary.reasons = meta["rejected"], Counter(meta["reasons"])
+                prompts.commit()
         else:
-            rejects = RowGroupWriter(out_dir / "rejects.parquet", REJECT_SCHEMA)
+            rejects = row_group_writer(out_dir / "rejects.parquet", REJECT_SCHEMA)
             prompts.commit()
             rejects.commit()
         summary.rows, summary.row_groups = prompts.rows, prompts.groups
@@ -246,8 +243,6 @@ def _write_chunk_from_parse(parse: Path, out_dir: Path, chunk: tuple[int, int], 
         for w in (prompts, rejects):
             if w is not None:  # nothing after its commit
                 w.abort()
-        if copied is not None and os.path.exists(copied):
-            os.unlink(copied)
     return summary
 
 

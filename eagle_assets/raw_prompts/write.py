@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 import shutil
 import tempfile
 from collections import Counter
@@ -45,7 +44,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_assets.raw_prompts.rows import KEPT, RAW_SCHEMA, REJECT_SCHEMA, shown_path, iter_prompt_rows
+from eagle_assets.raw_prompts.rows import KEPT, RAW_SCHEMA, REJECT_SCHEMA, iter_prompt_rows, shown_path
+from eagle_assets.storage.shards import AtomicParquetWriter
 
 ROW_GROUP_ROWS = 8192  # ~12 MB of raw prompt rows (~1.5 KB each) buffered per row group
 SPILL_ROWS = 1024
@@ -95,58 +95,10 @@ class _Smallest:
         return np.sort(self._pos)
 
 
-class RowGroupWriter:
-    """Tables in, row groups of ``ROW_GROUP_ROWS`` rows out, to a temp file renamed onto ``path`` by ``commit``.
-
-    Each row group is one ``ParquetWriter.write_table`` of one combined table, as ``pq.write_table`` writes a
-    table: a file of at most one group is the same bytes as ``pq.write_table(table, path, compression="zstd")``.
-    """
-
-    def __init__(self, path: Path, schema: pa.Schema, group_rows: int | None = None):
-        self.path, self.schema, self.group_rows = Path(path), schema, group_rows or ROW_GROUP_ROWS
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        os.close(fd)
-        self._writer = pq.ParquetWriter(self.tmp, schema, compression="zstd")
-        self._parts: list[pa.Table] = []
-        self._buffered = 0
-        self.rows = 0
-        self.groups = 0
-        self.committed = False
-
-    def write(self, table: pa.Table) -> None:
-        while table.num_rows:
-            take = min(table.num_rows, self.group_rows - self._buffered)
-            self._parts.append(table.slice(0, take))
-            self._buffered += take
-            table = table.slice(take)
-            if self._buffered == self.group_rows:
-                self._flush()
-
-    def write_rows(self, rows: list[dict[str, Any]]) -> None:
-        if rows:
-            self.write(pa.Table.from_pylist(rows, schema=self.schema))
-
-    def _flush(self) -> None:
-        table = pa.concat_tables(self._parts).combine_chunks() if self._parts else self.schema.empty_table()
-        self._writer.write_table(table)
-        self.rows += table.num_rows
-        self.groups += 1
-        self._parts, self._buffered = [], 0
-
-    def commit(self) -> None:
-        if self._buffered or not self.groups:  # an empty file is written as pq.write_table writes an empty table
-            self._flush()
-        self._writer.close()
-        os.replace(self.tmp, self.path)
-        self.committed = True
-
-    def abort(self) -> None:
-        """Drop the temp file; does nothing after ``commit``, so a ``finally`` can call it on every writer."""
-        if self.committed:
-            return
-        self._writer.close()
-        if os.path.exists(self.tmp):
-            os.unlink(self.tmp)
+def row_group_writer(path: Path, schema: pa.Schema) -> AtomicParquetWriter:
+    """The writer of a raw-prompts file: row groups of ``ROW_GROUP_ROWS`` rows (read when called), so a file of at
+    most one group is the bytes ``pq.write_table`` writes for the table."""
+    return AtomicParquetWriter(path, schema, ROW_GROUP_ROWS)
 
 
 @dataclass
@@ -208,7 +160,7 @@ def parse_sources(
     sources: list[tuple[Path, str]],
     policy: str,
     spill_dir: Path,
-    rejects: RowGroupWriter,
+    rejects: AtomicParquetWriter,
     summary: RawPromptsSummary,
     *,
     seed: int,
@@ -324,12 +276,12 @@ def write_raw_prompts(
     spill_dir = Path(tempfile.mkdtemp(prefix=_SPILL_PREFIX, dir=out_dir))
     summary = RawPromptsSummary(parsed=True)
     sources = list(sources)
-    rejects = RowGroupWriter(out_dir / "rejects.parquet", REJECT_SCHEMA)
-    prompts: RowGroupWriter | None = None
+    rejects = row_group_writer(out_dir / "rejects.parquet", REJECT_SCHEMA)
+    prompts: AtomicParquetWriter | None = None
     try:
         spills, selected = parse_sources(partition_key, sources, policy, spill_dir, rejects, summary, seed=seed,
                                           limit=limit, chunk=chunk)
-        prompts = RowGroupWriter(out_dir / "prompts.parquet", RAW_SCHEMA)
+        prompts = row_group_writer(out_dir / "prompts.parquet", RAW_SCHEMA)
         emit_in_order(spills, selected, sources, seed, prompts)
         prompts.commit()
         rejects.commit()

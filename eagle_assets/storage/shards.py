@@ -76,20 +76,118 @@ class Layout:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[str]:
+def atomic_file(path: Path, durable: bool = False) -> Iterator[str]:
     """A temp file beside ``path`` (its parent is created) to write in the block; renamed over ``path`` with
     ``os.replace`` when the block ends without error, removed otherwise, so readers see the old file or the new one,
-    never half of one."""
+    never half of one. The one temp-then-rename write of the package.
+
+    ``durable``: fsync the file before the rename and the directory after it, so the new file survives a power loss
+    once the block has returned (training checkpoints); otherwise the page cache decides when it reaches the disk.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         yield tmp
+        if durable:
+            fsync_path(tmp)
         os.replace(tmp, path)
+        if durable:
+            fsync_path(path.parent)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a directory; a filesystem that refuses fsync on a directory is skipped (the rename that
+    preceded it is atomic either way)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not os.path.isdir(path):
+            raise
+    finally:
+        os.close(fd)
+
+
+class AtomicParquetWriter:
+    """Streams tables into one Parquet file (zstd) through a temp file beside ``path``; ``commit`` renames it onto
+    ``path`` (``os.replace``: readers see the old file or the whole new one), ``abort`` drops it. The one streaming
+    Parquet writer of the package.
+
+    Row groups: with ``group_rows`` None each non-empty ``write`` is one row group; with ``group_rows`` the rows are
+    regrouped into groups of exactly that many (the last one shorter), each one ``write_table`` of one combined
+    table, as ``pq.write_table`` writes a table. Memory holds at most one group. A file nothing was written to holds
+    one empty row group, as ``pq.write_table`` writes an empty table.
+
+    Attributes:
+        rows, groups: rows and row groups written so far.
+        committed: ``commit`` has run.
+    """
+
+    def __init__(self, path: Path, schema: pa.Schema, group_rows: int | None = None):
+        self.path, self.schema, self.group_rows = Path(path), schema, group_rows
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        os.close(fd)
+        self._writer = pq.ParquetWriter(self.tmp, schema, compression="zstd")
+        self._parts: list[pa.Table] = []
+        self._buffered = 0
+        self.rows = 0
+        self.groups = 0
+        self.committed = False
+
+    def write(self, table: pa.Table) -> None:
+        """Append ``table``'s rows (its schema must equal the writer's)."""
+        if self.group_rows is None:
+            if table.num_rows:
+                self._write_group(table)
+            return
+        while table.num_rows:
+            take = min(table.num_rows, self.group_rows - self._buffered)
+            self._parts.append(table.slice(0, take))
+            self._buffered += take
+            table = table.slice(take)
+            if self._buffered == self.group_rows:
+                self._flush()
+
+    def write_rows(self, rows: list[dict[str, Any]]) -> None:
+        """Append Python rows (dicts keyed by column name)."""
+        if rows:
+            self.write(pa.Table.from_pylist(rows, schema=self.schema))
+
+    def _write_group(self, table: pa.Table) -> None:
+        self._writer.write_table(table, row_group_size=max(table.num_rows, 1))
+        self.rows += table.num_rows
+        self.groups += 1
+
+    def _flush(self) -> None:
+        self._write_group(pa.concat_tables(self._parts).combine_chunks() if self._parts
+                          else self.schema.empty_table())
+        self._parts, self._buffered = [], 0
+
+    def commit(self) -> Path:
+        """Write what is buffered, close the file and rename it onto ``path``; returns ``path``."""
+        if self._buffered or not self.groups:
+            self._flush()
+        self._writer.close()
+        os.replace(self.tmp, self.path)
+        self.committed = True
+        return self.path
+
+    def abort(self) -> None:
+        """Drop the temp file; does nothing after ``commit``, so a ``finally`` can call it on every writer."""
+        if self.committed:
+            return
+        self._writer.close()
+        if os.path.exists(self.tmp):
+            os.unlink(self.tmp)
 
 
 def write_parquet_atomic(table: pa.Table, path: Path, **options: Any) -> Path:

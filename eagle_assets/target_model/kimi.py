@@ -30,10 +30,10 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from eagle_assets.storage.shards import atomic_file
 from eagle_assets.target_model.tokenizer_errors import TokenizerLoadError
 
 # tokenization_kimi.py, TikTokenTokenizer.pat_str (identical for Kimi-K2, K2-Thinking, K2.5).
@@ -179,16 +179,9 @@ def _read_cached_core(path: Path, n: int, specials: list[tuple[str, bool]]) -> A
 
 def _write_cached_core(path: Path, core: Any) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(core.to_str())
+        with atomic_file(path) as tmp:
+            Path(tmp).write_text(core.to_str(), encoding="utf-8")
             os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a cache shared by several users must stay readable
-            os.replace(tmp, path)  # readers see the whole file or none
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
     except OSError as e:
         log.info("not caching the Kimi tokenizer at %s (%s); set %s to a writable directory", path, e, CACHE_ENV)
 

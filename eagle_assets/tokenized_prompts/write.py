@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,9 +33,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_assets.raw_prompts.rows import REJECT_SCHEMA
-from eagle_assets.tokenized_prompts.prompts_file import PROMPT_ROW_GROUP_ROWS
 from eagle_assets.figures.running import LengthHistogram
+from eagle_assets.raw_prompts.rows import REJECT_SCHEMA
+from eagle_assets.storage.shards import AtomicParquetWriter
+from eagle_assets.tokenized_prompts.prompts_file import PROMPT_ROW_GROUP_ROWS
 
 TOKENIZED_SCHEMA = pa.schema(
     [
@@ -68,29 +68,6 @@ class TokenizeSummary:
     def median_tokens(self) -> int:
         """The upper middle prompt length (``sorted(lengths)[n // 2]``); 0 when empty."""
         return self.lengths.at(self.rows // 2) if self.rows else 0
-
-
-class _AtomicParquet:
-    """A Parquet writer to a temp file beside ``path``, renamed onto it by ``commit``."""
-
-    def __init__(self, path: Path, schema: pa.Schema):
-        self.path, self.schema = Path(path), schema
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        os.close(fd)
-        self.writer = pq.ParquetWriter(self.tmp, schema, compression="zstd")
-
-    def write(self, table: pa.Table) -> None:
-        if table.num_rows:
-            self.writer.write_table(table, row_group_size=max(table.num_rows, 1))
-
-    def commit(self) -> None:
-        self.writer.close()
-        os.replace(self.tmp, self.path)
-
-    def abort(self) -> None:
-        self.writer.close()
-        if os.path.exists(self.tmp):
-            os.unlink(self.tmp)
 
 
 def _turn_one(messages: list) -> list:
@@ -276,8 +253,8 @@ def tokenize_partition(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = TokenizeSummary()
-    prompts = _AtomicParquet(out_dir / "prompts.parquet", TOKENIZED_SCHEMA)
-    rejects = _AtomicParquet(out_dir / "rejects.parquet", REJECT_SCHEMA)
+    prompts = AtomicParquetWriter(out_dir / "prompts.parquet", TOKENIZED_SCHEMA)
+    rejects = AtomicParquetWriter(out_dir / "rejects.parquet", REJECT_SCHEMA)
     try:
         if workers is None:
             workers = default_workers(pq.ParquetFile(raw_path).metadata.num_rows, batch_rows)
