@@ -169,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM
 
-    from eagle_assets.assets.qc import passing_partitions
+    from eagle_assets.qc.status import passing_datasets
     from eagle_assets.assets.resources import PipelineSettings, TargetModel
-    from eagle_assets.assets.training_rows import load_split_rows, mixed_training_rows
-    from eagle_assets.assets.acceptance import unseen_eval_rows
+    from eagle_assets.drafter.splits import load_split_rows, mixed_training_rows
+    from eagle_assets.drafter.checkpoint_eval import unseen_eval_rows
     from eagle_assets.drafter.evaluation import evaluate_groups
     from eagle_assets.drafter.export import load_drafter
     from eagle_assets.drafter.features import run_target
@@ -187,15 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     t = catalog.training
     threads = args.threads or t.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    keys, excluded = passing_partitions(settings)
+    keys, excluded = passing_datasets(settings.layout(), settings.catalog())
     if not keys:
         print(f"no partition with passing QC under {root} ({excluded}); run `eagle-assets run` first")
         return 2
     vocab_dir = settings.layout().base / "draft_vocab"
     vocab = draft_vocab_from_arrays(np.load(vocab_dir / "d2t.npy"), np.load(vocab_dir / "t2d.npy"))
-    train = [(ids, mask) for _s, ids, mask, _k in mixed_training_rows(settings, keys)]
-    validation = [(ids, mask) for _s, ids, mask, _k in load_split_rows(settings, keys, "validation")]
-    test = load_split_rows(settings, keys, "test")
+    train = [(ids, mask) for _s, ids, mask, _k in mixed_training_rows(settings.layout(), settings.catalog(), keys)]
+    validation = [(ids, mask) for _s, ids, mask, _k in load_split_rows(settings.layout(), settings.catalog(), keys, "validation")]
+    test = load_split_rows(settings.layout(), settings.catalog(), keys, "test")
     groups = {k: [(ids, mask) for _s, ids, mask, p in test if p == k] for k in keys}
     model_dir = TargetModel(model=catalog.target.model).resolve()
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     work = root / "bench" / "drafter_quality"
     unseen = None
     if t.unseen_eval is not None:
-        unseen = unseen_eval_rows(settings, target, model_dir, settings.layout().base / "drafter_checkpoint" /
+        unseen = unseen_eval_rows(settings.catalog(), target, model_dir, settings.layout().base / "drafter_checkpoint" /
                                   "unseen_eval", lambda line: print("  " + line, flush=True))
     if unseen:
         groups["unseen source"] = unseen

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from eagle_assets.assets.qc import ROWS_SCHEMA  # noqa: E402
+from eagle_assets.qc.qc_pass import ROWS_SCHEMA  # noqa: E402
 from eagle_assets.qc.lengths import REPORT_COLUMNS, length_report  # noqa: E402
 
 # (partition, median reasoning tokens, median answer tokens, max_new_tokens): short tool calls to long chains.

@@ -17,7 +17,7 @@ default catalog's multi-turn partition ``B1_glaive`` (glaive conversations: a to
    the demo target's directory (``demo.shipped.demo_target()``).
    Storage ``<storage-root>/multi_turn_drafter`` (``EAGLE_ASSETS_HOME=<storage-root>``, ``DAGSTER_HOME`` under it);
 3. splits by conversation (the record's ``source_row``, shared by both partitions): a conversation is held out
-   when the product's keyed hash (``assets.training_rows.is_holdout`` of its ``B1_glaive`` sample id, ``--holdout-
+   when the product's keyed hash (``drafter.splits.is_holdout`` of its ``B1_glaive`` sample id, ``--holdout-
    fraction``, training seed) says so, and then none of its rows, in either partition, is trained on. The
    evaluation rows are the ``B1_glaive`` (all-turns) QC rows of the held-out conversations: turn 1, and turns >= 2
    ("held-out later turns": what the drafter meets when serving a conversation on-policy), also turn 2 and 3 apart,
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from eagle_assets.assets.resources import PipelineSettings
-    from eagle_assets.assets.training_rows import is_holdout
+    from eagle_assets.drafter.splits import is_holdout
     from eagle_assets.catalog import load_catalog
     from eagle_assets.tokenized_prompts.walk import parse_turn_row_id
     from eagle_assets.demo.shipped import demo_target

@@ -71,7 +71,7 @@ CAP = 10_240
 
 
 def qwen_setup():
-    from eagle_assets.assets.qc import blank_token_ids
+    from eagle_assets.target_model.setup import blank_token_ids
     from eagle_assets.target_model.profile import detect_profile, target_vocab_size
     from eagle_assets.target_model.render import control_token_ids
     from eagle_assets.target_model.tokenizer import load_tokenizer
@@ -190,7 +190,7 @@ sys.path.insert(0, sys.argv[1])
 mode, gen_dir, prompts_path, out_dir, qwen = sys.argv[2:7]
 import pyarrow as pa
 import pyarrow.parquet as pq
-from eagle_assets.assets.qc import blank_token_ids
+from eagle_assets.target_model.setup import blank_token_ids
 from eagle_assets.target_model.profile import detect_profile
 from eagle_assets.target_model.tokenizer import load_tokenizer
 tok = load_tokenizer(qwen)
@@ -638,7 +638,7 @@ def client_stage(requests: int, concurrency: int) -> int:
     ``PromptsFile`` against the Qwen3-shaped zero-latency stub in its own process, ``concurrency`` requests in
     flight; with and without the live monitor. Prints requests/s, client and stub CPU per request, and the client's
     one-core ceiling (1e6 / client CPU us per request: what it sustains on a free core)."""
-    from eagle_assets.assets.qc import blank_token_ids
+    from eagle_assets.target_model.setup import blank_token_ids
     from eagle_assets.catalog import LiveSpec, Thresholds
     from eagle_assets.generations.run import run_generation
     from eagle_assets.tokenized_prompts.prompts_file import PromptsFile

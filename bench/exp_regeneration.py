@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from eagle_assets.assets.training_rows import is_holdout  # noqa: E402
+from eagle_assets.drafter.splits import is_holdout  # noqa: E402
 from eagle_assets.catalog import MixSpec, default_catalog_path, load_catalog  # noqa: E402
 from drafter_experiment import completion_tokens, train_and_measure  # noqa: E402
 from eagle_assets.drafter.mix import MixCandidate, build_mix  # noqa: E402
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="training seeds, comma-separated (default 0,1,2); each arm is trained once per seed")
     args = ap.parse_args(argv)
 
-    from eagle_assets.assets.qc import passing_partitions
+    from eagle_assets.qc.status import passing_datasets
     from eagle_assets.assets.resources import PipelineSettings, TargetModel
     from eagle_assets.target_model.profile import detect_profile
     from eagle_assets.target_model.tokenizer import load_tokenizer
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     root = (args.storage_root or default_storage_root()).resolve()
     settings = PipelineSettings(catalog_path=str(catalog_path), storage_root=str(root))
     layout = settings.layout()
-    keys, excluded = passing_partitions(settings)
+    keys, excluded = passing_datasets(settings.layout(), settings.catalog())
     if not keys:
         print(f"no partition of {catalog_path} has passing QC shards under {layout.base}: run "
               f"`eagle-assets run --catalog {catalog_path} --skip-training` first ({excluded})")

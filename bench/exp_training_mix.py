@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from eagle_assets.assets.resources import PipelineSettings, TargetModel
-    from eagle_assets.assets.training_rows import load_training_rows, mix_candidates
-    from eagle_assets.assets.qc import passing_partitions
+    from eagle_assets.drafter.splits import load_split_rows, mix_candidates
+    from eagle_assets.qc.status import passing_datasets
 
     root = (args.storage_root or default_storage_root()).resolve()
     work = root / "experiments" / "training_mix"
@@ -84,14 +84,15 @@ def main(argv: list[str] | None = None) -> int:
                    env={**os.environ, "EAGLE_ASSETS_HOME": str(root)})
     catalog = load_catalog(catalog_path)
     settings = PipelineSettings(catalog_path=str(catalog_path), storage_root=str(root))
-    keys, excluded = passing_partitions(settings)
+    keys, excluded = passing_datasets(settings.layout(), settings.catalog())
     if set(keys) != set(SHORT + LONG):
         print(f"partitions excluded by QC: {excluded}; the experiment needs all four")
         return 2
-    candidates = mix_candidates(settings, keys)
-    rows = {(k, s): (ids, mask) for s, ids, mask, k in load_training_rows(settings, keys, holdout=False)}
+    candidates = mix_candidates(settings.layout(), settings.catalog(), keys)
+    layout, catalog = settings.layout(), settings.catalog()
+    rows = {(k, s): (ids, mask) for s, ids, mask, k in load_split_rows(layout, catalog, keys, "train")}
     heldout: dict[str, list] = {k: [] for k in keys}
-    for _s, ids, mask, k in load_training_rows(settings, keys, holdout=True):
+    for _s, ids, mask, k in load_split_rows(layout, catalog, keys, "test"):
         heldout[k].append((ids, mask))
     model_dir = TargetModel(model=catalog.target.model).resolve()
     print(f"held-out rows: { {k: len(v) for k, v in heldout.items()} }; seeds {args.seeds}", flush=True)

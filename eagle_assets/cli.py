@@ -222,8 +222,8 @@ def selected_partition_keys(catalog, selection: str | None) -> list[str]:
 
 def chunks_without_qc(catalog, layout, keys: list[str]) -> dict[str, list[str]]:
     """For each chunked dataset with a chunk among ``keys``: its chunk keys that have no QC rows yet
-    (``assets.qc.dataset_rows_files``); an empty list = ``dataset_job`` can check it now."""
-    from eagle_assets.assets.qc import dataset_rows_files
+    (``qc.status.dataset_rows_files``); an empty list = ``dataset_job`` can check it now."""
+    from eagle_assets.qc.status import dataset_rows_files
 
     touched = {catalog.resolve(k)[0] for k in keys}
     return {d: [f.parent.name for f in dataset_rows_files(layout, catalog, d) if not f.exists()]

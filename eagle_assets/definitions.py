@@ -12,7 +12,7 @@ partitions, data versions and runs unchanged), each chunk is a run of ``partitio
 retried, resumed and sent to Kubernetes as one), and the dataset-level QC of chunked datasets is the asset
 ``dataset_qc`` of its own partitions, in ``dataset_job`` (``assets.qc``).
 Every asset depends, besides its upstream assets, on the observable source assets of the inputs it reads
-(``assets.inputs``), carries a code version (``assets.versions``) and an automation condition
+(``assets.inputs``), carries a code version (``lineage.versions``) and an automation condition
 (``assets.automation``). ``$EAGLE_ASSETS_EXECUTOR`` picks the executor of every run (``in_process``, or ``k8s``:
 one Kubernetes Job per step, ``eagle_assets.assets.k8s``).
 """

@@ -274,7 +274,7 @@ def test_the_cli_runs_a_chunked_datasets_raw_prompts_in_one_run_and_each_chunk_f
     """``eagle-assets run`` on a dataset in 3 chunks: one run writes every chunk's raw_prompts (one step, one
     parse), each chunk's run does the rest without a raw_prompts step, dataset_job passes, and every chunk's
     raw_prompts and tokenized_prompts files are the bytes of the chunk runs that did raw_prompts themselves."""
-    from eagle_assets.assets.versions import directory_content_version
+    from eagle_assets.lineage.versions import directory_content_version
 
     rc, printed, home = runs["cli"]
     assert rc == 0, printed[-3000:]
@@ -331,26 +331,26 @@ def test_a_chunked_dataset_trains_exactly_as_the_unchunked_one(runs):
     assert whole_mix and chunk_mix == whole_mix and {r["partition"] for r in chunk_mix} == {"D"}
     # the held-out split is the dataset's: the same rows, whichever chunk they are in
     from eagle_assets.assets.resources import PipelineSettings
-    from eagle_assets.assets.training_rows import load_split_rows
+    from eagle_assets.drafter.splits import load_split_rows
 
     for split in ("validation", "test"):
         got = {}
         for name in ("whole", "chunked"):
             settings = PipelineSettings(catalog_path=str(runs["root"] / f"{name}.yaml"), storage_root=str(store))
-            got[name] = sorted(sid for sid, *_ in load_split_rows(settings, ["D"], split))
+            got[name] = sorted(sid for sid, *_ in load_split_rows(settings.layout(), settings.catalog(), ["D"], split))
         assert got["whole"] and got["whole"] == got["chunked"], split
 
 
 def test_training_waits_for_every_chunk(runs, tmp_path):
-    from eagle_assets.assets.qc import passing_partitions
+    from eagle_assets.qc.status import passing_datasets
     from eagle_assets.assets.resources import PipelineSettings
 
     store = tmp_path / "store"
     shutil.copytree(runs["root"] / "store" / "chunked", store / "chunked")
     settings = PipelineSettings(catalog_path=str(runs["root"] / "chunked.yaml"), storage_root=str(store))
-    assert passing_partitions(settings) == (["D"], {})
+    assert passing_datasets(settings.layout(), settings.catalog()) == (["D"], {})
     (store / "chunked" / "qc_shards" / "D.c01" / "qc_status.json").unlink()
-    ok, excluded = passing_partitions(settings)
+    ok, excluded = passing_datasets(settings.layout(), settings.catalog())
     assert ok == [] and "no QC shards yet for chunks ['D.c01']" in excluded["D"]
 
 

@@ -194,7 +194,7 @@ def test_chunks_run_at_once_in_processes_parse_once_and_write_the_full_pass_file
 
 def test_the_asset_reads_the_chunks_from_one_parse_with_the_full_pass_data_versions(tmp_path):
     from eagle_assets.assets.prompts import PARSE_STAGE
-    from eagle_assets.assets.versions import directory_content_version
+    from eagle_assets.lineage.versions import directory_content_version
     from eagle_assets.definitions import build_definitions
 
     src = _source(tmp_path / "src.jsonl", 90)

@@ -83,7 +83,7 @@ def test_acceptance_check_levels_spread_and_the_unseen_figure():
 
 
 def test_thinking_modes_of_turn_rows_are_grouped_and_reported_beside_the_mean():
-    from eagle_assets.assets.acceptance import thinking_mode_groups
+    from eagle_assets.drafter.checkpoint_eval import thinking_mode_groups
     from eagle_assets.tokenized_prompts.walk import turn_row_id
 
     ids, mask = np.arange(5, dtype=np.int32), np.array([0, 0, 1, 1, 1], dtype=np.int8)

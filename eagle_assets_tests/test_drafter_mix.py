@@ -105,7 +105,7 @@ def test_bad_inputs_are_refused():
 
 
 def test_held_out_splits_are_disjoint_capped_per_partition_and_stable():
-    from eagle_assets.assets.training_rows import is_holdout, row_splits
+    from eagle_assets.drafter.splits import is_holdout, row_splits
     from eagle_assets.catalog import TrainingSpec
 
     ids = [f"P-{i:03d}" for i in range(48)]
@@ -132,7 +132,7 @@ def test_held_out_splits_are_disjoint_capped_per_partition_and_stable():
 
 
 def test_turns_and_thinking_modes_of_one_conversation_share_their_split():
-    from eagle_assets.assets.training_rows import row_splits
+    from eagle_assets.drafter.splits import row_splits
     from eagle_assets.catalog import TrainingSpec
     from eagle_assets.tokenized_prompts.walk import conversation_id, turn_row_id
 

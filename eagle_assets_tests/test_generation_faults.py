@@ -380,7 +380,7 @@ def test_echo_that_only_the_reply_shape_betrays_is_retried_then_a_failure_and_qc
     # the echoed ids; about half were stored as good rows. With the generation stage's structure check none is.
     if not QWEN3_DIR.exists():
         pytest.skip(f"../shared/data is absent: {QWEN3_DIR} not found")
-    from eagle_assets.assets.qc import blank_token_ids
+    from eagle_assets.target_model.setup import blank_token_ids
     from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
     from eagle_assets.qc.qc_pass import qc_partition
     from eagle_assets.structure.segment import StructureCheck, segment_row

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from eagle_assets.assets.versions import target_model_version
+from eagle_assets.lineage.versions import target_model_version
 from eagle_assets.catalog import load_catalog
 from eagle_assets.definitions import PARTITION_JOB, build_definitions
 from eagle_assets.generations.run import STAGING_DIR
@@ -181,7 +181,7 @@ def _stage_with_rows(tmp_path: Path, fingerprint: dict):
     """A partition folder with one stored shard and a staging folder holding one staged shard of ``fingerprint``."""
     import pyarrow as pa
 
-    from eagle_assets.assets.versions import record_generation_inputs
+    from eagle_assets.generations.staging import record_generation_inputs
     from eagle_assets.generations.run import GENERATION_SCHEMA, staging_dir
 
     out = tmp_path / "gen"
@@ -196,22 +196,20 @@ def _stage_with_rows(tmp_path: Path, fingerprint: dict):
 
 
 def test_a_killed_regeneration_resumes_its_staged_rows_and_a_busy_one_is_not_cleared(tmp_path):
-    from types import SimpleNamespace
+    from eagle_assets.generations.run import PartitionBusyError, exclusive_writer
+    from eagle_assets.generations.staging import choose_workdir
 
-    from eagle_assets.assets.regeneration import generation_workdir
-    from eagle_assets.generations.run import exclusive_writer
-
-    logged: list[str] = []
-    context = SimpleNamespace(partition_key="P", log=SimpleNamespace(info=logged.append))
     fingerprint = {"sha256": "new", "inputs": {"sampling_settings": "new"}}
     out, stage = _stage_with_rows(tmp_path, fingerprint)
     # same inputs as the staged attempt: its rows are resumed, nothing is cleared
-    assert generation_workdir(context, out, fingerprint, True, False) == (stage, False)
-    assert (stage / "shard-00000.parquet").exists() and "resuming its 1 staged rows" in logged[-1]
+    work = choose_workdir(out, fingerprint, True, False)
+    assert (work.path, work.clear) == (stage, False)
+    assert (stage / "shard-00000.parquet").exists() and "resuming its 1 staged rows" in work.note
     # an explicit regenerate starts the staging folder afresh, but never under another run's lock
     with exclusive_writer(stage):
-        with pytest.raises(dg.Failure, match="Another run is regenerating partition P"):
-            generation_workdir(context, out, fingerprint, True, True)
+        with pytest.raises(PartitionBusyError):
+            choose_workdir(out, fingerprint, True, True)
     assert (stage / "shard-00000.parquet").exists()
-    assert generation_workdir(context, out, fingerprint, True, True) == (stage, False)
+    work = choose_workdir(out, fingerprint, True, True)
+    assert (work.path, work.clear) == (stage, False)
     assert not (stage / "shard-00000.parquet").exists() and (out / "shard-00000.parquet").exists()

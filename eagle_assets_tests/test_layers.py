@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("qc",),                 # stage 4
     ("drafter",),            # stage 5: draft vocab, training mix, EAGLE-3 training and export
     ("exports",),            # stage 6: speculators / SpecForge exports
+    ("lineage",),            # input versions, generation fingerprints, code and catalog identity (no Dagster)
     ("assets",),             # Dagster: assets, checks, resources, sensors, schedules
     ("definitions", ""),     # Dagster: the Definitions object; "" is the root package (lazy `defs`)
     ("cli",),                # eagle-assets

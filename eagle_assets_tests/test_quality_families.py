@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle_assets.assets.qc import blank_token_ids
+from eagle_assets.target_model.setup import blank_token_ids
 from eagle_assets.catalog import LiveSpec, Thresholds
 from eagle_assets.qc.live import LiveQualityMonitor
 from eagle_assets.structure.segment import DROP_REASONS, Segmentation, StructureCheck, reply_well_formed, segment_row

@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from eagle_assets.assets.prompts import RAW_SCHEMA, build_prompt_assets
-from eagle_assets.assets.qc import QC_SKIP_REASONS, build_qc_assets
+from eagle_assets.assets.qc import build_qc_assets
+from eagle_assets.qc.qc_pass import QC_SKIP_REASONS
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.generations.run import GENERATION_SCHEMA
 from eagle_assets.structure.segment import DROP_REASONS

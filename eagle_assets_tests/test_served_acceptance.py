@@ -35,7 +35,7 @@ import transformers
 import yaml
 from transformers import AutoTokenizer
 
-from eagle_assets.assets.training_rows import row_splits
+from eagle_assets.drafter.splits import row_splits
 from eagle_assets.catalog import load_catalog
 from eagle_assets.definitions import build_definitions
 from eagle_assets.drafter import train as train_module

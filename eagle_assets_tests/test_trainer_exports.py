@@ -26,8 +26,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from eagle_assets.assets.qc import QC_SCHEMA, QC_STATUS_FILE
-from eagle_assets.assets.training_rows import is_holdout, mixed_training_rows
+from eagle_assets.qc.qc_pass import QC_SCHEMA
+from eagle_assets.qc.status import QC_STATUS_FILE
+from eagle_assets.drafter.splits import is_holdout, mixed_training_rows
 from eagle_assets.definitions import build_definitions
 from eagle_assets.exports import SPECFORGE, SPECULATORS, ExportError, export_mixed_rows, verify_export
 from eagle_assets.storage.shards import shard_paths, write_json_atomic
@@ -133,7 +134,7 @@ def exported(tokenizer, tmp_path_factory):
 def _expected(exported) -> list[tuple[str, str, list[int], list[int]]]:
     """What the drafter trains on (``mixed_training_rows``), less the rows planted for quarantine."""
     settings = exported["defs"].resources["settings"]
-    rows = mixed_training_rows(settings, list(PARTITIONS))
+    rows = mixed_training_rows(settings.layout(), settings.catalog(), list(PARTITIONS))
     return [(k, sid, ids.tolist(), mask.tolist()) for sid, ids, mask, k in rows
             if len(ids) == len(mask) and mask.sum() > 0]
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import dagster as dg
 
 from eagle_assets.assets.inputs import GLOBAL_INPUTS, PARTITION_INPUTS, observation_event
-from eagle_assets.assets.versions import source_files_version
+from eagle_assets.lineage.versions import source_files_version
 from eagle_assets.catalog import Catalog
 
 RAW_PROMPTS = dg.AssetKey("raw_prompts")

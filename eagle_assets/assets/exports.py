@@ -52,7 +52,7 @@ def _export_asset(fmt: TrainerFormat) -> dg.AssetsDefinition:
     def _export(context: dg.AssetExecutionContext, config: TrainerExportConfig,
                 settings: PipelineSettings) -> dg.MaterializeResult:
         from eagle_assets.exports.pretokenized import ExportError, export_mixed_rows
-        from eagle_assets.assets.qc import dataset_shard_paths
+        from eagle_assets.qc.status import dataset_shard_paths
 
         layout = settings.layout()
         mix_dir = layout.base / "training_mix"
@@ -66,7 +66,7 @@ def _export_asset(fmt: TrainerFormat) -> dg.AssetsDefinition:
                       "partitions": keys, "mix_mode": mix_summary.get("mode")}
         try:
             report = export_mixed_rows(
-                mix_dir / "mix.parquet", {k: dataset_shard_paths(settings, k) for k in keys},
+                mix_dir / "mix.parquet", {k: dataset_shard_paths(settings.layout(), settings.catalog(), k) for k in keys},
                 layout.stage_dir(f"{fmt.name}_export"), fmt, rows_per_shard=config.rows_per_shard,
                 provenance=provenance)
         except (ExportError, ValueError) as exc:

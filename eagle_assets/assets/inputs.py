@@ -14,7 +14,7 @@ Unpartitioned (observed together by ``global_inputs``):
 ``target_model``       config, weight files, launch settings              -> ``generations``, ``drafter_checkpoint``
 ``training_settings``  the ``training`` block     -> ``draft_vocab``, ``training_mix``, ``drafter_checkpoint``
 
-Their data versions come from ``assets.versions``. They are observed at the start of every ``partition_job`` and
+Their data versions come from ``lineage.versions``. They are observed at the start of every ``partition_job`` and
 ``training_job`` run (the jobs select them), by the ``inputs_sensor`` between runs, and by "Observe sources" in
 the UI. A new data version marks the dependent asset partitions unsynced in the UI, and the automation sensor
 (``assets.automation``) materializes them when it is on.
@@ -26,7 +26,7 @@ import warnings
 
 import dagster as dg
 
-from eagle_assets.assets.versions import (
+from eagle_assets.lineage.versions import (
     CODE_VERSIONS,
     InputVersion,
     global_input_versions,
@@ -46,7 +46,7 @@ INPUTS_GROUP = "inputs"
 PARTITION_INPUTS_OP = "partition_inputs"
 GLOBAL_INPUTS_OP = "global_inputs"
 
-# The inputs each asset reads besides its upstream assets (the catalog fields it reads: see assets.versions).
+# The inputs each asset reads besides its upstream assets (the catalog fields it reads: see lineage.versions).
 INPUTS_OF: dict[str, tuple[str, ...]] = {
     "raw_prompts": (SOURCE_FILES,),
     "tokenized_prompts": (RENDER_SETTINGS, TARGET_TOKENIZER),

@@ -9,6 +9,7 @@ import dagster as dg
 
 from eagle_assets.catalog import Catalog, load_catalog
 from eagle_assets.storage.shards import Layout
+from eagle_assets.target_model.setup import TargetSetup, load_target_setup
 
 
 @lru_cache(maxsize=8)
@@ -52,3 +53,8 @@ class TargetModel(dg.ConfigurableResource):
                 "Hugging Face model directory (config.json + tokenizer files), or to 'demo'"
             )
         return path
+
+    def setup(self, profile_overrides: dict | None = None) -> TargetSetup:
+        """The target's tokenizer, family profile, vocab size, control and blank ids under the catalog's
+        ``target.profile`` overrides (``target_model.setup``: loaded once per process)."""
+        return load_target_setup(self.resolve(), profile_overrides)

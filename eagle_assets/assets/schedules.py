@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from eagle_assets.assets.qc import passing_partitions
+from eagle_assets.qc.status import passing_datasets
 from eagle_assets.assets.resources import PipelineSettings
 from eagle_assets.catalog import CatalogError
 
@@ -39,7 +39,7 @@ def nightly_training_schedule(context: dg.ScheduleEvaluationContext, settings: P
     """A training run every night, skipped (with the reason) while no partition has passing QC shards or while a
     training run is still queued or running."""
     try:
-        keys, excluded = passing_partitions(settings)
+        keys, excluded = passing_datasets(settings.layout(), settings.catalog())
     except (CatalogError, OSError) as exc:
         return dg.SkipReason(f"the catalog cannot be read, nothing launched: {exc}")
     if not keys:

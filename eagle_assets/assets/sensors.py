@@ -1,6 +1,6 @@
 """The ``inputs_sensor``: observes the catalog entries, source files and target files between runs.
 
-Every tick it computes the data version of each input of ``assets.inputs`` (``assets.versions``: the sources of
+Every tick it computes the data version of each input of ``assets.inputs`` (``lineage.versions``: the sources of
 every partition are re-hashed only when their size or mtime changed, the cursor caches the per-file sha256) and
 reports a runless ``AssetObservation`` for each one whose version differs from the latest recorded one. It launches
 nothing itself: the new data versions mark the dependent assets unsynced in the UI, and the ``automation_sensor``
@@ -76,7 +76,7 @@ def build_inputs_sensor(partition_keys: list[str]) -> dg.SensorDefinition:
     )
     def inputs_sensor(context: dg.SensorEvaluationContext, settings: PipelineSettings, target: TargetModel):
         from eagle_assets.assets.inputs import observation_event
-        from eagle_assets.assets.versions import global_input_versions, partition_input_versions
+        from eagle_assets.lineage.versions import global_input_versions, partition_input_versions
 
         try:
             catalog = settings.catalog()

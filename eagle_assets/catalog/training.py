@@ -141,7 +141,7 @@ class TrainingSpec(StrictModel):
     """Drafter training settings (EAGLE-3 defaults: 7 TTT steps, 32k draft vocab).
 
     The run length is ``train_tokens`` capped at ``epochs`` passes (see ``eagle_assets.drafter.recipe``, which also
-    gives recommended values per target class). Held-out rows (``assets.training_rows.row_splits``): per partition a
+    gives recommended values per target class). Held-out rows (``drafter.splits.row_splits``): per partition a
     ``holdout_fraction`` share by keyed hash, at most ``holdout_rows``, never trained on; ``validation_rows`` of them
     give the learning curve and early stopping, the rest are the ``acceptance_length`` check's test rows.
     """

@@ -62,7 +62,7 @@ from eagle_assets.structure.segment import Segmentation
 UNPARSEABLE_TOOL_CALL = "unparseable_tool_call"
 
 # The serving stack whose client view these rules reproduce: part of an all_turns partition's generation inputs
-# (assets.versions.generation_fingerprint), since later turn prompts are rendered from it.
+# (lineage.versions.generation_fingerprint), since later turn prompts are rendered from it.
 HISTORY_RULES = "sglang-0.5.23"
 
 # SGLang 0.5.23's --reasoning-parser and --tool-call-parser of each family: the classes this module's text rules

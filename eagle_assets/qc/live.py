@@ -199,7 +199,7 @@ class LiveQualityMonitor:
         profile: the target's ``FamilyProfile`` (think, tool-call and stop ids).
         thresholds: the partition's ``Thresholds`` (or a mapping with the same fields).
         live: the partition's ``LiveSpec`` (or a mapping); None = the defaults.
-        blank_ids: ids that decode to whitespace only (``assets.qc.blank_token_ids``).
+        blank_ids: ids that decode to whitespace only (``target_model.setup.blank_token_ids``).
         tool_call_in_reasoning: the partition's policy, "drop" or "keep".
         prompt_opens_think: sample id -> ``prompt_opens_think`` of ``tokenized_prompts``. Rows of ids missing from it
             are from an older prompt set and are skipped, as QC skips them. None = every prompt opens a think block.

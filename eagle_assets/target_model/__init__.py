@@ -10,9 +10,9 @@ Public API::
         -> RenderedPrompt; raises RenderError(reason, detail)
 """
 
+from eagle_assets.target_model.kimi import load_kimi_tokenizer
 from eagle_assets.target_model.profile import FamilyProfile, ProfileError, detect_profile
 from eagle_assets.target_model.render import RENDER_REASONS, RenderedPrompt, RenderError, render_prompt, template_hash
-from eagle_assets.target_model.kimi import load_kimi_tokenizer
 from eagle_assets.target_model.tokenizer import TokenizerLoadError, load_tokenizer
 
 __all__ = [

@@ -20,10 +20,11 @@ parsers in ``python/sglang/srt/parser/reasoning_parser.py`` (``KimiK2Detector`` 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from eagle_assets.target_model.config import optional_json_config, text_config
 
 
 class ProfileError(ValueError):
@@ -159,13 +160,7 @@ def _generation_eos(tokenizer: Any) -> list[int]:
     base = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
     ids: list[int] = []
     for fname in ("generation_config.json", "config.json"):
-        f = base / fname
-        if not f.is_file():
-            continue
-        try:
-            cfg = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
+        cfg = optional_json_config(base, fname)
         for source in (cfg, cfg.get("text_config") or {}):
             eos = source.get("eos_token_id") if isinstance(source, dict) else None
             for e in eos if isinstance(eos, list) else [eos]:
@@ -317,17 +312,8 @@ def target_vocab_size(model_dir: str | Path | None, tokenizer: Any) -> int:
         would call the tokenizer's own special ids out of range, so the larger of the two wins.
     """
     n_tok = len(tokenizer)
-    cfg_path = Path(str(model_dir)) / "config.json" if model_dir is not None else None
-    if cfg_path is None or not cfg_path.is_file():
-        return n_tok
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError):
-        return n_tok
-    if not isinstance(cfg, dict):
-        return n_tok
-    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
-    for size in (cfg.get("vocab_size"), text_cfg.get("vocab_size")):
+    cfg = optional_json_config(model_dir)
+    for size in (cfg.get("vocab_size"), text_config(cfg).get("vocab_size")):
         if isinstance(size, int) and not isinstance(size, bool) and size > 0:
             return max(size, n_tok)
     return n_tok

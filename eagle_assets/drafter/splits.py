@@ -1,16 +1,22 @@
 """The training rows: the held-out split of each partition's QC rows (by conversation, keyed hash), reading the
-rows of one split shard by shard, and the rows ``training_mix`` chose."""
+rows of one split shard by shard, and the rows ``training_mix`` chose. ``layout`` and ``catalog`` are the storage
+layout and the loaded catalog (``storage.shards.Layout``, ``catalog.Catalog``)."""
+
+from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
-import dagster as dg
 import numpy as np
 import pyarrow.parquet as pq
 
-from eagle_assets.assets.qc import dataset_shard_paths
-from eagle_assets.assets.resources import PipelineSettings
+from eagle_assets.catalog import Catalog
+from eagle_assets.qc.status import dataset_shard_paths
+from eagle_assets.storage.shards import Layout
+
+
+class MixError(RuntimeError):
+    """The training mix is missing or names rows the QC shards no longer hold; the message says what to run."""
 
 
 def _holdout_rank(sample_id: str, seed: int) -> float:
@@ -56,30 +62,30 @@ def row_splits(sample_ids: list[str], training) -> dict[str, str]:
     return {s: split.get(conversation[s], "train") for s in sample_ids}
 
 
-def dataset_splits(settings: PipelineSettings, key: str) -> tuple[list[Path], dict[str, str]]:
-    """The QC shards of dataset ``key`` (every chunk's, ``assets.qc.dataset_shard_paths``) and the split of its
+def dataset_splits(layout: Layout, catalog: Catalog, key: str) -> tuple[list[Path], dict[str, str]]:
+    """The QC shards of dataset ``key`` (every chunk's, ``qc.status.dataset_shard_paths``) and the split of its
     rows (:func:`row_splits` over the sample ids of all of them: a chunked dataset splits as the unchunked one)."""
     import pyarrow as pa
 
-    paths = dataset_shard_paths(settings, key)
+    paths = dataset_shard_paths(layout, catalog, key)
     sids = pa.concat_tables([pq.read_table(p, columns=["sample_id"]) for p in paths]).column(0).to_pylist()
-    return paths, row_splits(sids, settings.catalog().training)
+    return paths, row_splits(sids, catalog.training)
 
 
-def load_split_rows(settings: PipelineSettings, keys: list[str], split: str):
+def load_split_rows(layout: Layout, catalog: Catalog, keys: list[str], split: str):
     """Rows (sample_id, input_ids int32 [T], loss_mask int8 [T], partition) of ``keys``' QC shards on one split
     (one of :data:`SPLITS`), in shard order."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
-    return list(iter_split_rows(settings, keys, split))
+    return list(iter_split_rows(layout, catalog, keys, split))
 
 
-def iter_split_rows(settings: PipelineSettings, keys: list[str], split: str, wanted=None):
+def iter_split_rows(layout: Layout, catalog: Catalog, keys: list[str], split: str, wanted=None):
     """``load_split_rows`` lazily: shard by shard, one record batch at a time, rows sliced from the batch's flat
     arrays (never a whole partition's ids as Python lists). ``wanted``: a collection of ``(partition, sample_id)``
     to keep (None = every row of the split)."""
     for key in keys:
-        paths, splits = dataset_splits(settings, key)
+        paths, splits = dataset_splits(layout, catalog, key)
         for path in paths:
             for batch in pq.ParquetFile(path).iter_batches(batch_size=1024,
                                                            columns=["sample_id", "input_ids", "loss_mask"]):
@@ -94,13 +100,7 @@ def iter_split_rows(settings: PipelineSettings, keys: list[str], split: str, wan
                            mask_flat[mask_off[i]:mask_off[i + 1]].copy(), key)
 
 
-def load_training_rows(settings: PipelineSettings, keys: list[str], holdout: bool):
-    """Rows (sample_id, input_ids int32 [T], loss_mask int8 [T], partition) of ``keys``' QC shards: the training
-    split, or (``holdout``) the held-out test split."""
-    return load_split_rows(settings, keys, "test" if holdout else "train")
-
-
-def mix_candidates(settings: PipelineSettings, keys: list[str]):
+def mix_candidates(layout: Layout, catalog: Catalog, keys: list[str]):
     """Every training-split QC row of ``keys`` as a ``MixCandidate`` (completion tokens = loss tokens)."""
     import pyarrow.compute as pc
 
@@ -108,7 +108,7 @@ def mix_candidates(settings: PipelineSettings, keys: list[str]):
 
     out = []
     for key in keys:
-        paths, splits = dataset_splits(settings, key)
+        paths, splits = dataset_splits(layout, catalog, key)
         for path in paths:  # one shard's ids at a time, only their lengths kept
             t = pq.read_table(path, columns=["sample_id", "input_ids", "n_prompt_tokens"])
             lengths = pc.subtract(pc.list_value_length(t.column("input_ids")), t.column("n_prompt_tokens")).to_pylist()
@@ -118,27 +118,22 @@ def mix_candidates(settings: PipelineSettings, keys: list[str]):
     return out
 
 
-def mixed_training_rows(settings: PipelineSettings, keys: list[str]):
+def mixed_training_rows(layout: Layout, catalog: Catalog, keys: list[str]):
     """The training rows the ``training_mix`` asset chose, in its order (partitions of ``keys`` only).
 
-    Raises dg.Failure when the mix is missing or names rows the QC shards no longer hold (re-materialize
-    ``training_mix``)."""
-    mix_file = settings.layout().base / "training_mix" / "mix.parquet"
+    Raises:
+        MixError: the mix is missing or names rows the QC shards no longer hold (re-materialize ``training_mix``).
+    """
+    mix_file = layout.base / "training_mix" / "mix.parquet"
     if not mix_file.exists():
-        raise dg.Failure(description=f"{mix_file} does not exist: materialize training_mix first (training_job does)")
+        raise MixError(f"{mix_file} does not exist: materialize training_mix first (training_job does)")
     mix = pq.read_table(mix_file, columns=["partition", "sample_id"]).to_pylist()
     chosen = [(m["partition"], m["sample_id"]) for m in mix if m["partition"] in keys]
     # only the chosen rows are read out of the shards (iter_split_rows), not every training row first
     by_id = {(k, sid): (sid, ids, mask, k)
-             for sid, ids, mask, k in iter_split_rows(settings, keys, "train", wanted=set(chosen))}
+             for sid, ids, mask, k in iter_split_rows(layout, catalog, keys, "train", wanted=set(chosen))}
     missing = [c for c in chosen if c not in by_id]
     if missing:
-        raise dg.Failure(description=f"training_mix names {len(missing)} rows that the QC shards no longer hold "
-                         f"(e.g. {missing[:3]}): re-materialize training_mix after qc_shards changed")
+        raise MixError(f"training_mix names {len(missing)} rows that the QC shards no longer hold "
+                       f"(e.g. {missing[:3]}): re-materialize training_mix after qc_shards changed")
     return [by_id[c] for c in chosen]
-
-
-def target_vocab_size(model_dir: Path) -> int:
-    """``vocab_size`` of a target model directory's config.json (top level or ``text_config``)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])

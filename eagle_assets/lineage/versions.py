@@ -261,7 +261,6 @@ def global_input_versions(catalog: Catalog) -> list[InputVersion]:
             training_settings_version(catalog)]
 
 
-GENERATION_INPUTS_FILE = "generation_inputs.json"
 
 
 def generation_fingerprint(catalog: Catalog, key: str) -> dict:
@@ -270,9 +269,9 @@ def generation_fingerprint(catalog: Catalog, key: str) -> dict:
     tokenizer and weights. ``{"sha256": ..., "inputs": {...}}``.
 
     Shards generated under another fingerprint are not resumed from but generated again (see
-    :func:`generation_inputs_changed`), since the sample ids stay the same when only these change, as SpecForge's
-    tokenized cache did before it was keyed by the template (SpecForge commit 1de70d18). Adding or removing source
-    records does not change it: new sample ids are generated, the old rows are reused.
+    ``generations.staging.generation_inputs_changed``), since the sample ids stay the same when only these change,
+    as SpecForge's tokenized cache did before it was keyed by the template (SpecForge commit 1de70d18). Adding or
+    removing source records does not change it: new sample ids are generated, the old rows are reused.
     """
     spec = catalog.partition(key)
     inputs = {
@@ -288,30 +287,6 @@ def generation_fingerprint(catalog: Catalog, key: str) -> dict:
         inputs["tool_result_match"] = spec.tool_result_match
         inputs["history_rules"] = HISTORY_RULES  # how a reply becomes the history the next turn renders
     return {"sha256": canonical_digest(inputs), "inputs": inputs}
-
-
-def generation_inputs_changed(out_dir: Path, fingerprint: dict) -> list[str]:
-    """Names of the inputs that differ between ``fingerprint`` and the one recorded in ``out_dir`` (empty when they
-    match or when nothing was recorded yet).
-
-    Shards written before fingerprints were recorded are taken as matching, so upgrading does not regenerate.
-    """
-    recorded_file = Path(out_dir) / GENERATION_INPUTS_FILE
-    try:
-        recorded = json.loads(recorded_file.read_text())
-    except (OSError, ValueError):
-        return []
-    if not isinstance(recorded, dict) or recorded.get("sha256") == fingerprint["sha256"]:
-        return []
-    old = recorded.get("inputs") if isinstance(recorded.get("inputs"), dict) else {}
-    return sorted(k for k, v in fingerprint["inputs"].items() if old.get(k) != v) or ["fingerprint"]
-
-
-def record_generation_inputs(out_dir: Path, fingerprint: dict) -> None:
-    """Write ``fingerprint`` beside the shards (atomically), after a generation run that used it."""
-    from eagle_assets.storage.shards import write_json_atomic
-
-    write_json_atomic(fingerprint, Path(out_dir) / GENERATION_INPUTS_FILE)
 
 
 def directory_content_version(directory: Path, patterns: tuple[str, ...]) -> str:
