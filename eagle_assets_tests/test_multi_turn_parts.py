@@ -10,13 +10,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_assets.catalog import CatalogError, load_catalog
-from eagle_assets.drafter.turn_mix import build_turn_mix, group_name
-from eagle_assets.qc.turn_report import format_turn_table, qc_by_turn, turn_length_report
-from eagle_assets.generations.rollout import TURN_SCHEMA, TurnMonitor
-from eagle_assets.tokenized_prompts.walk import ConversationWalk, first_turn_messages, thinking_modes
+from eagle_assets.catalog import CatalogError, LiveSpec, MixSpec, Thresholds, load_catalog
 from eagle_assets.drafter.mix import MixCandidate, build_mix
+from eagle_assets.drafter.turn_mix import build_turn_mix, group_name
+from eagle_assets.generations.rollout import TURN_SCHEMA, TurnMonitor
 from eagle_assets.qc.qc_pass import ROWS_SCHEMA
+from eagle_assets.qc.turn_report import format_turn_table, qc_by_turn, turn_length_report
+from eagle_assets.tokenized_prompts.walk import ConversationWalk, first_turn_messages, thinking_modes
 
 PART = """
 partitions:
@@ -81,21 +81,20 @@ def test_turn_weights_split_a_partitions_share_between_its_turns():
     cands = [MixCandidate("MT", f"s{i}:on:{t}", 10) for i in range(40) for t in (1, 2)]
     cands += [MixCandidate("GSM", f"g{i}", 10) for i in range(40)]
     turn_of = {(c.partition, c.sample_id): int(c.sample_id.rsplit(":", 1)[1]) for c in cands if c.partition == "MT"}
-    spec = {"mode": "balanced", "token_budget": 400, "weights": {}, "bucket_caps": [], "seed": 0,
-            "turn_weights": {2: 3.0}}
+    spec = MixSpec(mode="balanced", token_budget=400, seed=0, turn_weights={2: 3.0})
     result = build_turn_mix(cands, spec, ["MT", "GSM"], turn_of)
     tokens = Counter()
     for c in result.selected:
         tokens[group_name("MT", turn_of[(c.partition, c.sample_id)]) if c.partition == "MT" else c.partition] += c.tokens
     assert tokens == {"GSM": 200, "MT/turn1": 50, "MT/turn2": 150}  # MT keeps its half, split 1:3
     assert {c.partition for c in result.selected} == {"MT", "GSM"} and set(result.before) == {"MT/turn1", "MT/turn2", "GSM"}
-    spec["turn_weights"] = {1: 0}
+    spec = spec.model_copy(update={"turn_weights": {1: 0}})
     zero = build_turn_mix(cands, spec, ["MT", "GSM"], turn_of)
     assert not [c for c in zero.selected if turn_of.get((c.partition, c.sample_id)) == 1]
     plain = build_turn_mix(cands, spec, ["MT", "GSM"], {})  # no turns: exactly build_mix
     assert plain.selected == build_mix(cands, spec, ["MT", "GSM"]).selected
     with pytest.raises(ValueError, match="turn_weights"):
-        build_turn_mix(cands, {**spec, "turn_weights": {2: -1.0}}, ["MT", "GSM"], turn_of)
+        build_turn_mix(cands, spec.model_copy(update={"turn_weights": {2: -1.0}}), ["MT", "GSM"], turn_of)
 
 
 def _write_rows(tmp_path: Path):
@@ -145,7 +144,7 @@ def test_turn_monitor_keeps_figures_per_turn_and_mode_and_decides_like_the_parti
     cut = tok("<think>\nnever ends", add_special_tokens=False)["input_ids"]
     keys = {f"s{i}:on:{t}": (t, "on") for i in range(8) for t in (1, 2)}
     opens = {k: False for k in keys}
-    make = (lambda: LiveQualityMonitor(prof, {"short_tokens": 2}, {"warmup_rows": 4, "report_every_rows": 4},
+    make = (lambda: LiveQualityMonitor(prof, Thresholds(short_tokens=2), LiveSpec(warmup_rows=4, report_every_rows=4),
                                        prompt_opens_think=opens, partition="MT"))
     mon = TurnMonitor(make, keys)
     seeded = [{"sample_id": f"s{i}:on:1", "output_ids": good, "finish_reason": "stop", "matched_stop": good[-1],

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 import pytest
+from test_multi_turn_pipeline import ScriptedQwen3Server, _rows
 
+from eagle_assets.catalog import LiveSpec, Thresholds
 from eagle_assets.generations.rollout import CONVERSATIONS_FILE, RolloutSettings, run_conversations
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.protocol import SamplingParams
 from eagle_assets_tests.servers.stub_server import serve_stub_in_thread
-from test_multi_turn_pipeline import ScriptedQwen3Server, _rows
 
 DATASET = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": ""},
            {"role": "user", "content": "Another one?"}, {"role": "assistant", "content": ""},
@@ -76,8 +77,9 @@ def test_live_fail_fast_stops_between_turns_keeps_rows_and_resumes(qwen, tmp_pat
             return "<think>\n" + "and so on " * 40 if prompt.count("<|im_start|>assistant") == 2 else text
 
     def make(opens, prompt_ids):
-        return LiveQualityMonitor(prof, {"short_tokens": 2, "max_share_dropped_error": 0.3},
-                                  {"warmup_rows": 8, "report_every_rows": 1}, prompt_opens_think=opens,
+        return LiveQualityMonitor(prof, Thresholds(short_tokens=2, max_share_dropped_error=0.3,
+                                             max_share_truncated_warn=1.0, max_share_truncated_error=1.0),
+                                  LiveSpec(warmup_rows=8, report_every_rows=1), prompt_opens_think=opens,
                                   prompt_ids=prompt_ids, partition="P")
 
     server = Rambling(tok, {})

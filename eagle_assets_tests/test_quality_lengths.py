@@ -3,6 +3,7 @@
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eagle_assets.catalog import Thresholds
 from eagle_assets.qc.lengths import format_table, length_report
 from eagle_assets.qc.thresholds import evaluate_response_length, evaluate_token_structure
 
@@ -51,8 +52,8 @@ def test_length_report_empty():
 
 
 def test_response_length_levels():
-    th = {"short_tokens": 50, "min_median_tokens": 20, "max_share_short_warn": 0.3, "max_share_short_error": 0.8,
-          "max_share_truncated_warn": 0.01, "max_share_truncated_error": 0.1}
+    th = Thresholds(**{"short_tokens": 50, "min_median_tokens": 20, "max_share_short_warn": 0.3, "max_share_short_error": 0.8,
+          "max_share_truncated_warn": 0.01, "max_share_truncated_error": 0.1})
     ok = evaluate_response_length([100] * 10, ["stop"] * 10, th)
     assert ok.passed and ok.level == "OK"
     warn = evaluate_response_length([10] * 4 + [100] * 6, ["stop"] * 10, th)
@@ -64,7 +65,7 @@ def test_response_length_levels():
 
 
 def test_token_structure_levels():
-    th = {"max_share_dropped_warn": 0.05, "max_share_dropped_error": 0.2}
+    th = Thresholds(**{"max_share_dropped_warn": 0.05, "max_share_dropped_error": 0.2})
     assert evaluate_token_structure([None] * 20, th).level == "OK"
     bad = evaluate_token_structure([None] * 7 + ["missing_think_end"] * 3, th)
     assert not bad.passed and bad.figures["share_missing_think_end"] == 0.3
@@ -72,8 +73,8 @@ def test_token_structure_levels():
 
 def test_token_structure_levels_per_reason():
     """A single reason can WARN or fail the check under its own level while the total stays within its levels."""
-    th = {"max_share_dropped_warn": 0.5, "max_share_dropped_error": 0.9,
-          "max_share_by_reason": {"missing_think_end": {"warn": 0.05, "error": 0.15}, "empty_answer": {"warn": 0.01}}}
+    th = Thresholds(**{"max_share_dropped_warn": 0.5, "max_share_dropped_error": 0.9,
+          "max_share_by_reason": {"missing_think_end": {"warn": 0.05, "error": 0.15}, "empty_answer": {"warn": 0.01}}})
     rows = [None] * 90 + ["missing_think_end"] * 10
     warn = evaluate_token_structure(rows, th)
     assert warn.passed and warn.level == "WARN"

@@ -6,14 +6,14 @@ import random
 from statistics import median
 
 import pytest
-
-from eagle_assets.catalog import LiveSpec
-from eagle_assets.qc.live import LiveQualityMonitor
-from eagle_assets.figures.running import LengthHistogram
-from eagle_assets.structure.segment import segment_row
-from eagle_assets.qc.thresholds import evaluate_response_length, evaluate_token_structure
-from test_quality_qc_pass import PROFILE, _random_rows
 from test_quality_fuzz_replies import BLANK, CONTROL, VOCAB
+from test_quality_qc_pass import PROFILE, _random_rows
+
+from eagle_assets.catalog import LiveSpec, Thresholds
+from eagle_assets.figures.running import LengthHistogram
+from eagle_assets.qc.live import LiveQualityMonitor
+from eagle_assets.qc.thresholds import evaluate_response_length, evaluate_token_structure
+from eagle_assets.structure.segment import segment_row
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -40,8 +40,8 @@ def test_running_figures_equal_the_checks_rules():
     prompts = {f"p{i}": [rng.randint(0, 40) for _ in range(rng.randint(1, 9))] for i in range(500)}
     rows = [dict(r, sample_id=f"p{i % 500}") for i, r in enumerate(_random_rows(rng, 500, prompts))]
     opens = {sid: rng.random() < 0.7 for sid in prompts}
-    th = {"short_tokens": 4, "max_share_dropped_error": 0.99, "max_share_dropped_warn": 0.1,
-          "max_share_by_reason": {"empty_answer": {"warn": 0.01, "error": 0.99}}}
+    th = Thresholds(**{"short_tokens": 4, "max_share_dropped_error": 0.99, "max_share_dropped_warn": 0.1,
+          "max_share_by_reason": {"empty_answer": {"warn": 0.01, "error": 0.99}}})
     monitor = LiveQualityMonitor(PROFILE, th, LiveSpec(warmup_rows=50, report_every_rows=25, example_ids=3),
                                  blank_ids=BLANK, prompt_opens_think=opens, prompt_ids=prompts, vocab_size=VOCAB,
                                  control_ids=CONTROL)
@@ -75,10 +75,10 @@ def test_array_fed_monitor_equals_the_per_row_reference_on_every_drop_reason():
 
     import numpy as np
     import pyarrow as pa
-
     import test_quality_segment as hand
-    from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
+
     from eagle_assets.structure.segment import DROP_REASONS
+    from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
 
     groups: dict = {}
     for n, (ids, finish, kw, reason) in enumerate(hand.test_each_drop_reason.pytestmark[0].args[1]):
@@ -102,7 +102,7 @@ def test_array_fed_monitor_equals_the_per_row_reference_on_every_drop_reason():
         pf = PromptsFile.from_table(pa.table({"sample_id": list(prompts),
                                               "prompt_ids": pa.array(list(prompts.values()), pa.list_(pa.int32())),
                                               "prompt_opens_think": [opens[s] for s in prompts]}))
-        th = {"short_tokens": 3, "max_share_dropped_warn": 0.3, "max_share_dropped_error": 0.99}
+        th = Thresholds(**{"short_tokens": 3, "max_share_dropped_warn": 0.3, "max_share_dropped_error": 0.99})
         live = LiveSpec(warmup_rows=2, report_every_rows=3, example_ids=2)
         kw = dict(blank_ids=frozenset({hand.NL}), vocab_size=vocab, control_ids=control)
         by_lists = LiveQualityMonitor(hand.PROFILE, th, live, prompt_opens_think=opens, prompt_ids=prompts, **kw)

@@ -12,13 +12,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_quality_fuzz_replies import BLANK, CONTROL, END_THINK, END_TOOL, EOT, ORDINARY, THINK, TOOL, VOCAB, _profile
 
+from eagle_assets.catalog import Thresholds
 from eagle_assets.generations.run import GENERATION_SCHEMA
 from eagle_assets.qc.qc_pass import QC_SCHEMA, ROWS_SCHEMA, ShardWriter, qc_partition
-from eagle_assets.structure.segment import segment_row
 from eagle_assets.qc.thresholds import evaluate_response_length
 from eagle_assets.storage.shards import shard_paths
-from test_quality_fuzz_replies import BLANK, CONTROL, END_THINK, EOT, ORDINARY, THINK, TOOL, END_TOOL, VOCAB, _profile
+from eagle_assets.structure.segment import segment_row
 
 PROFILE = _profile(False, False)
 
@@ -101,7 +102,8 @@ def test_streaming_qc_equals_the_per_row_reference(tmp_path, seed):
         if g["sample_id"] in prompts and g["sample_id"] not in firsts:
             firsts.add(g["sample_id"])
             ordered.append(g["finish_reason"])
-    for th in ({"short_tokens": 4, "max_share_truncated_warn": 0.05, "min_median_tokens": 3}, {"short_tokens": 2}):
+    for th in (Thresholds(short_tokens=4, max_share_truncated_warn=0.05, min_median_tokens=3),
+               Thresholds(short_tokens=2)):
         want = evaluate_response_length([r[1] for r in want_rows], ordered, th)
         assert summary.response_length(th) == want
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import dagster as dg
 
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
+from eagle_assets.catalog import Thresholds
 from eagle_assets.lineage.versions import directory_content_version
 from eagle_assets.qc.stage import dataset_qc_stage, length_report_stage, qc_partition_stage
 from eagle_assets.qc.status import QC_STATUS_FILE
@@ -46,16 +47,16 @@ def _check_result(name: str, outcome: Outcome, **kwargs) -> dg.AssetCheckResult:
                                description=outcome.description(), **kwargs)
 
 
-def _check_metadata(outcome: Outcome, thresholds: dict, extra: dict | None = None) -> dict:
+def _check_metadata(outcome: Outcome, thresholds: Thresholds, extra: dict | None = None) -> dict:
     lines = ["| figure | value | threshold (warn / error) |", "|---|---|---|"]
     for name, value in outcome.figures.items():
         stem = name.replace("share_", "")
-        warn = thresholds.get(f"max_share_{stem}_warn")
-        err = thresholds.get(f"max_share_{stem}_error")
-        if stem in (thresholds.get("max_share_by_reason") or {}):
+        warn = getattr(thresholds, f"max_share_{stem}_warn", None)
+        err = getattr(thresholds, f"max_share_{stem}_error", None)
+        if stem in thresholds.max_share_by_reason:
             warn, err = reason_levels(thresholds, stem)
         if name == "median_tokens":
-            warn, err = thresholds.get("min_median_tokens"), None
+            warn, err = thresholds.min_median_tokens, None
         shown = f"{value:.4g}" if isinstance(value, float) else str(value)
         lines.append(f"| {name} | {shown} | {warn if warn is not None else '-'} / {err if err is not None else '-'} |")
     meta = {k: float(v) for k, v in outcome.figures.items()}
@@ -133,7 +134,7 @@ def dataset_qc(context: dg.AssetExecutionContext, settings: PipelineSettings):
     if r.missing:
         raise dg.Failure(description=f"dataset {dataset}: chunks {r.missing} have no QC rows yet; materialize them "
                                      "(partition_job on each) before dataset_qc", allow_retries=False)
-    checks, thresholds = r.checks, spec.thresholds.model_dump()
+    checks, thresholds = r.checks, spec.thresholds
     reasons = dg.MetadataValue.json({reason: checks.reasons.get(reason, 0) for reason in DROP_REASONS})
     yield dg.MaterializeResult(
         data_version=dg.DataVersion(directory_content_version(r.out, (QC_STATUS_FILE,))),

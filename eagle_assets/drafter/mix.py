@@ -21,7 +21,9 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
+
+from eagle_assets.catalog import MixSpec
 
 
 @dataclass(frozen=True)
@@ -69,12 +71,6 @@ def _order_key(seed: int, c: MixCandidate) -> bytes:
     return hashlib.sha256(f"mix:{seed}:{c.partition}:{c.sample_id}".encode()).digest()
 
 
-def _get(spec: Any, name: str, default: Any) -> Any:
-    if isinstance(spec, Mapping):
-        return spec.get(name, default)
-    return getattr(spec, name, default)
-
-
 def bucket_labels(caps: Sequence[tuple[int, float]]) -> list[str]:
     """Labels of the length buckets the caps' boundaries cut: ``[(300, .3)]`` -> ``["<300", ">=300"]``."""
     bounds = sorted({b for b, _ in caps})
@@ -112,8 +108,8 @@ def _interleave(by_partition: dict[str, list[MixCandidate]], partitions: Sequenc
     return out
 
 
-def build_mix(candidates: Sequence[MixCandidate], spec: Any, partitions: Sequence[str] | None = None) -> MixResult:
-    """Choose the training rows from ``candidates`` according to ``spec`` (a ``catalog.MixSpec`` or mapping with
+def build_mix(candidates: Sequence[MixCandidate], spec: MixSpec, partitions: Sequence[str] | None = None) -> MixResult:
+    """Choose the training rows from ``candidates`` according to ``spec`` (the catalog's ``training.mix``:
     ``mode``, ``token_budget``, ``weights``, ``bucket_caps`` [{below_tokens, max_share}], ``seed``).
 
     Args:
@@ -125,15 +121,14 @@ def build_mix(candidates: Sequence[MixCandidate], spec: Any, partitions: Sequenc
         ValueError: a candidate has a negative token count, or the mode is unknown.
     """
     partitions = list(partitions or dict.fromkeys(c.partition for c in candidates))
-    mode = _get(spec, "mode", "balanced")
-    seed = int(_get(spec, "seed", 0))
-    caps = [(int(_get(c, "below_tokens", 0)), float(_get(c, "max_share", 1.0))) for c in _get(spec, "bucket_caps", [])]
+    mode, seed = spec.mode, spec.seed
+    caps = [(c.below_tokens, c.max_share) for c in spec.bucket_caps]
     bounds = sorted({b for b, _ in caps})
     labels = bucket_labels(caps)
     if any(c.tokens < 0 for c in candidates):
         raise ValueError("a mix candidate has a negative token count; QC rows must have completion tokens >= 0")
     total = sum(c.tokens for c in candidates)
-    budget = int(_get(spec, "token_budget", None) or total)
+    budget = spec.token_budget or total
     ordered = sorted(candidates, key=lambda c: _order_key(seed, c))
     before = _table(candidates, bounds, labels, partitions)
     notes: list[str] = []
@@ -148,7 +143,7 @@ def build_mix(candidates: Sequence[MixCandidate], spec: Any, partitions: Sequenc
     if mode != "balanced":
         raise ValueError(f"unknown mix mode {mode!r}; use 'balanced' or 'concat'")
 
-    weights = {p: float(_get(spec, "weights", {}).get(p, 1.0)) for p in partitions}
+    weights = {p: float(spec.weights.get(p, 1.0)) for p in partitions}
     by_partition: dict[str, list[MixCandidate]] = defaultdict(list)
     for c in ordered:
         if weights.get(c.partition, 1.0) > 0:

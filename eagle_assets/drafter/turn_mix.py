@@ -11,13 +11,10 @@ without turns are one group, as before. The chosen rows keep their real partitio
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
+from eagle_assets.catalog import MixSpec
 from eagle_assets.drafter.mix import MixCandidate, MixResult, build_mix
-
-
-def _get(spec: Any, name: str, default: Any) -> Any:
-    return spec.get(name, default) if isinstance(spec, Mapping) else getattr(spec, name, default)
 
 
 def group_name(partition: str, turn: int) -> str:
@@ -25,7 +22,7 @@ def group_name(partition: str, turn: int) -> str:
     return f"{partition}/turn{turn}"
 
 
-def build_turn_mix(candidates: Sequence[MixCandidate], spec: Any, partitions: Sequence[str],
+def build_turn_mix(candidates: Sequence[MixCandidate], spec: MixSpec, partitions: Sequence[str],
                    turn_of: Mapping[tuple[str, str], int]) -> MixResult:
     """``build_mix`` with every partition that has turns split into turn groups (see the module doc).
 
@@ -36,12 +33,12 @@ def build_turn_mix(candidates: Sequence[MixCandidate], spec: Any, partitions: Se
     Returns: ``MixResult`` whose ``selected`` carry their real partition, in training order.
     Raises: ``ValueError`` for a negative turn weight, and whatever ``build_mix`` raises.
     """
-    turn_weights = {int(k): float(v) for k, v in (_get(spec, "turn_weights", None) or {}).items()}
+    turn_weights = {int(k): float(v) for k, v in spec.turn_weights.items()}
     if any(w < 0 for w in turn_weights.values()):
         raise ValueError(f"training.mix.turn_weights must be >= 0, got {turn_weights}")
     if not any((c.partition, c.sample_id) in turn_of for c in candidates):
         return build_mix(candidates, spec, partitions)
-    weights = {p: float((_get(spec, "weights", None) or {}).get(p, 1.0)) for p in partitions}
+    weights = {p: float(spec.weights.get(p, 1.0)) for p in partitions}
     turns: dict[str, set[int]] = defaultdict(set)
     for c in candidates:
         t = turn_of.get((c.partition, c.sample_id))
@@ -64,8 +61,6 @@ def build_turn_mix(candidates: Sequence[MixCandidate], spec: Any, partitions: Se
         g = c.partition if t is None else group_name(c.partition, t)
         real[(g, c.sample_id)] = c
         virtual.append(MixCandidate(g, c.sample_id, c.tokens))
-    grouped_spec = {"mode": _get(spec, "mode", "balanced"), "token_budget": _get(spec, "token_budget", None),
-                    "weights": group_weights, "bucket_caps": _get(spec, "bucket_caps", []), "seed": _get(spec, "seed", 0)}
-    result = build_mix(virtual, grouped_spec, groups)
+    result = build_mix(virtual, spec.model_copy(update={"weights": group_weights}), groups)
     result.selected = [real[(c.partition, c.sample_id)] for c in result.selected]
     return result

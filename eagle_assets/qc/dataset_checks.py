@@ -15,13 +15,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from eagle_assets.catalog import Thresholds
 from eagle_assets.figures.running import LengthHistogram
-from eagle_assets.qc.thresholds import Outcome, threshold_value, response_length_outcome, token_structure_outcome
+from eagle_assets.qc.thresholds import Outcome, response_length_outcome, token_structure_outcome
 
 COLUMNS = ["completion_tokens", "finish_reason", "kept", "drop_reason"]
 
@@ -44,7 +45,7 @@ class DatasetChecks:
         return self.token_structure.passed and self.response_length.passed and self.kept > 0
 
 
-def dataset_checks(rows_files: Sequence[Path], thresholds: Any, batch_rows: int = 65536) -> DatasetChecks:
+def dataset_checks(rows_files: Sequence[Path], thresholds: Thresholds, batch_rows: int = 65536) -> DatasetChecks:
     """The two blocking checks over the QC rows of ``rows_files`` (every chunk's ``rows.parquet``).
 
     ``thresholds``: the dataset's ``Thresholds`` (or its ``model_dump()``). Raises ``FileNotFoundError`` for a
@@ -70,7 +71,7 @@ def dataset_checks(rows_files: Sequence[Path], thresholds: Any, batch_rows: int 
             n_file += batch.num_rows
         by_file[str(path)] = n_file
     n = hist.n
-    short = int(threshold_value(thresholds, "short_tokens", 300) or 300)
+    short = thresholds.short_tokens
     if n:
         length = response_length_outcome(n, hist.median(), hist.index_quantile(0.1), hist.below(short), truncated,
                                          thresholds)

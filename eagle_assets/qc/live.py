@@ -39,11 +39,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from eagle_assets.catalog import LiveSpec
+from eagle_assets.catalog import LiveSpec, Thresholds
 from eagle_assets.figures.running import LengthHistogram
-from eagle_assets.structure.segment import DROP_REASONS, Segmentation
 from eagle_assets.qc.segment_batch import KEPT, BatchSegmentation, segment_rows
 from eagle_assets.qc.thresholds import Finding, Outcome, response_length_outcome, token_structure_outcome
+from eagle_assets.structure.segment import DROP_REASONS, Segmentation
 
 # rows segmented together when figures are read (the seed of a large partition is segmented in slices of this)
 SEGMENT_BATCH_ROWS = 4096
@@ -80,14 +80,6 @@ _HINTS = {
 }
 
 
-def _as_dict(obj: Any) -> dict[str, Any]:
-    if obj is None:
-        return {}
-    if hasattr(obj, "model_dump"):
-        return obj.model_dump()
-    return dict(obj)
-
-
 def _quantiles(hist: LengthHistogram) -> dict[str, float]:
     """p10 / median / p90 (tokens) by the index rule of ``evaluate_response_length``; zeros when empty."""
     return {"p10": hist.index_quantile(0.1), "median": hist.median(), "p90": hist.index_quantile(0.9)}
@@ -104,7 +96,7 @@ class _Figures:
     reasoning: LengthHistogram = field(default_factory=LengthHistogram)  # kept rows only
     answer: LengthHistogram = field(default_factory=LengthHistogram)  # kept rows only
 
-    def outcomes(self, thresholds: Mapping[str, Any], short_tokens: int) -> tuple[Outcome, Outcome]:
+    def outcomes(self, thresholds: Thresholds, short_tokens: int) -> tuple[Outcome, Outcome]:
         structure = token_structure_outcome(self.rows, self.drops, thresholds)
         length = response_length_outcome(self.rows, self.tokens.median(), self.tokens.index_quantile(0.1),
                                           self.tokens.below(short_tokens), self.truncated, thresholds)
@@ -217,8 +209,8 @@ class LiveQualityMonitor:
     def __init__(
         self,
         profile,
-        thresholds: Any = None,
-        live: LiveSpec | Mapping[str, Any] | None = None,
+        thresholds: Thresholds | None = None,
+        live: LiveSpec | None = None,
         *,
         blank_ids: frozenset[int] = frozenset(),
         tool_call_in_reasoning: str = "drop",
@@ -229,8 +221,8 @@ class LiveQualityMonitor:
         control_ids: frozenset[int] | None = None,
     ):
         self.profile = profile
-        self.thresholds = _as_dict(thresholds)
-        self.live = live if isinstance(live, LiveSpec) else LiveSpec(**_as_dict(live))
+        self.thresholds = thresholds or Thresholds()
+        self.live = live or LiveSpec()
         self.blank_ids = frozenset(blank_ids)
         self.tool_call_in_reasoning = tool_call_in_reasoning
         self.prompt_opens_think = prompt_opens_think
@@ -239,7 +231,7 @@ class LiveQualityMonitor:
         self._get_many = getattr(prompt_ids, "get_many", None)
         self.vocab_size = vocab_size
         self.control_ids = None if control_ids is None else frozenset(control_ids)
-        self.short_tokens = int(self.thresholds.get("short_tokens") or 300)
+        self.short_tokens = self.thresholds.short_tokens
         self._all, self._run = _Figures(), _Figures()  # every row; this run's rows (observe) only
         self._pending: list[tuple[Mapping[str, Any], bool, Sequence[int] | None, bool]] = []  # queued rows
         self._n = 0  # rows counted (queued ones included)
@@ -491,7 +483,7 @@ class LiveQualityMonitor:
             "stopped": self.stop is not None,
             "stop": self.stop.to_json() if self.stop is not None else None,
             "live": self.live.model_dump(),
-            "thresholds": self.thresholds,
+            "thresholds": self.thresholds.model_dump(),
         }
 
     def log_line(self) -> str:

@@ -17,13 +17,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Collection
+from typing import Collection
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from eagle_assets.catalog import Thresholds
 from eagle_assets.qc.segment_batch import FLAG_BIT, FLAG_ORDER, KEPT, list_parts, segment_batch
 from eagle_assets.storage.shards import AtomicParquetWriter, shard_paths
 from eagle_assets.structure.segment import DROP_REASONS, FLAGS
@@ -91,17 +92,17 @@ class QcSummary:
     def drop_reasons(self) -> list[str | None]:
         return [None if c < 0 else DROP_REASONS[c] for c in self.drop_code.tolist()]
 
-    def response_length(self, thresholds: Any):
+    def response_length(self, thresholds: Thresholds):
         """The ``response_length`` outcome of every segmented row, the figures of
         ``qc.thresholds.evaluate_response_length`` (same median, p10, share under ``short_tokens``, share
         truncated) from an exact length histogram and the finish-reason counts, without a list per row."""
         from eagle_assets.figures.running import LengthHistogram
-        from eagle_assets.qc.thresholds import response_length_outcome, threshold_value
+        from eagle_assets.qc.thresholds import response_length_outcome
 
         n = int(self.completion_tokens.size)
         if not n:
             return response_length_outcome(0, 0.0, 0.0, 0, 0, thresholds)
-        short = int(threshold_value(thresholds, "short_tokens", 300) or 300)
+        short = thresholds.short_tokens
         hist = LengthHistogram()
         hist.add_many(self.completion_tokens)
         return response_length_outcome(n, float(hist.median()), hist.index_quantile(0.1), hist.below(short),

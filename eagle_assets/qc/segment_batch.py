@@ -26,9 +26,15 @@ from typing import Any, Collection, Sequence
 import numpy as np
 import pyarrow as pa
 
-from eagle_assets.structure.segment import (DROP_REASONS, FLAGS, Segmentation, tool_spans, reply_well_formed,
-                                          row_max_new_tokens)
 from eagle_assets.serving.protocol import ECHO_WINDOW, prompt_echo_length
+from eagle_assets.structure.segment import (
+    DROP_REASONS,
+    FLAGS,
+    Segmentation,
+    reply_well_formed,
+    row_max_new_tokens,
+    tool_spans,
+)
 
 KEPT = -1  # drop code of a kept row
 _CODE = {r: i for i, r in enumerate(DROP_REASONS)}

@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_assets.catalog import Catalog
+from eagle_assets.catalog import Catalog, Thresholds
 from eagle_assets.qc.dataset_checks import DatasetChecks, dataset_checks
 from eagle_assets.qc.lengths import LengthRow, format_table, length_report
 from eagle_assets.qc.qc_pass import QC_SKIP_REASONS, QcSummary, qc_partition
@@ -34,7 +34,7 @@ class QcPartitionResult:
     summary: QcSummary
     token_structure: Outcome
     response_length: Outcome
-    thresholds: dict[str, Any]
+    thresholds: Thresholds
     reasons: dict[str, int]
     flags: dict[str, int]
     png: bytes
@@ -49,7 +49,7 @@ def qc_partition_stage(layout: Layout, catalog: Catalog, key: str, target: Targe
     from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
 
     spec = catalog.partition(key)
-    thresholds = spec.thresholds.model_dump()
+    thresholds = spec.thresholds
     generations = layout.stage_dir("generations", key)
     # the prompts a row group at a time: their ids never all in memory
     prompts = (turn_prompts(generations) if spec.prompt_policy == "all_turns"
@@ -60,7 +60,7 @@ def qc_partition_stage(layout: Layout, catalog: Catalog, key: str, target: Targe
     summary = qc_partition(
         shard_paths(generations), prompts, out, target.profile, partition=spec.dataset, blank_ids=target.blank_ids,
         vocab_size=target.vocab_size, control_ids=target.control_ids,
-        tool_call_in_reasoning=spec.tool_call_in_reasoning, short_tokens=thresholds.get("short_tokens", 300),
+        tool_call_in_reasoning=spec.tool_call_in_reasoning, short_tokens=thresholds.short_tokens,
         max_new_tokens=spec.sampling.max_new_tokens)
     structure = evaluate_token_structure(summary.drop_reasons(), thresholds)
     length = summary.response_length(thresholds)
@@ -72,7 +72,7 @@ def qc_partition_stage(layout: Layout, catalog: Catalog, key: str, target: Targe
         out / QC_STATUS_FILE)
     png = length_histogram_png(
         {"reasoning": summary.reasoning_tokens, "answer": summary.answer_tokens, "total": summary.completion_tokens},
-        f"{key}: response lengths", short_tokens=thresholds.get("short_tokens"), cap=spec.sampling.max_new_tokens)
+        f"{key}: response lengths", short_tokens=thresholds.short_tokens, cap=spec.sampling.max_new_tokens)
     (out / "lengths.png").write_bytes(png)
     by_turn = None
     if spec.prompt_policy == "all_turns":

@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from statistics import median
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
+
+from eagle_assets.catalog import Thresholds
 
 
 @dataclass(frozen=True)
@@ -46,13 +48,6 @@ class Outcome:
         return text
 
 
-def threshold_value(thresholds: Any, name: str, default: float | None) -> float | None:
-    """``thresholds.name`` of a catalog ``Thresholds`` or a plain mapping; ``default`` where it is not set."""
-    if isinstance(thresholds, Mapping):
-        return thresholds.get(name, default)
-    return getattr(thresholds, name, default)
-
-
 def _outcome(figures: dict[str, float], findings: list[Finding]) -> Outcome:
     errors = any(f.level == "ERROR" for f in findings)
     level = "ERROR" if errors else ("WARN" if findings else "OK")
@@ -67,17 +62,17 @@ def _above(findings: list[Finding], figure: str, value: float, warn: float | Non
 
 
 def evaluate_response_length(
-    completion_tokens: Sequence[int], finish_reasons: Sequence[str], thresholds: Any
+    completion_tokens: Sequence[int], finish_reasons: Sequence[str], thresholds: Thresholds
 ) -> Outcome:
     """``response_length``: median, p10, share under ``short_tokens``, share truncated (finish_reason length).
 
     Args: per-row completion lengths (tokens) and finish reasons of every generated row of the partition;
-    ``thresholds`` a mapping or object with ``short_tokens``, ``min_median_tokens``, ``max_share_short_warn``,
-    ``max_share_short_error``, ``max_share_truncated_warn``, ``max_share_truncated_error`` (None = unchecked).
+    ``thresholds`` the partition's catalog ``Thresholds`` (``short_tokens``, ``min_median_tokens``,
+    ``max_share_short_warn`` / ``_error``, ``max_share_truncated_warn`` / ``_error``).
     An empty partition is an ERROR (nothing to train on).
     """
     n = len(completion_tokens)
-    short = int(threshold_value(thresholds, "short_tokens", 300) or 300)
+    short = thresholds.short_tokens
     if n == 0:
         return response_length_outcome(0, 0.0, 0.0, 0, 0, thresholds)
     ordered = sorted(completion_tokens)
@@ -88,11 +83,11 @@ def evaluate_response_length(
 
 
 def response_length_outcome(n: int, median_tokens: float, p10_tokens: float, under_short: int, truncated: int,
-                            thresholds: Any) -> Outcome:
+                            thresholds: Thresholds) -> Outcome:
     """``evaluate_response_length`` from its figures: ``n`` rows, their median and p10 (by the index rule
     ``sorted[int(0.1 * (n - 1))]``), rows under ``short_tokens`` and rows with finish_reason length. Running
     counters (``qc.live``) call this directly, so the live figures are judged by the same rules."""
-    short = int(threshold_value(thresholds, "short_tokens", 300) or 300)
+    short = thresholds.short_tokens
     if n == 0:
         return _outcome({"count": 0}, [Finding("count", 0, 1, "ERROR", "<")])
     figures = {
@@ -104,48 +99,43 @@ def response_length_outcome(n: int, median_tokens: float, p10_tokens: float, und
         "short_tokens": float(short),
     }
     findings: list[Finding] = []
-    min_median = threshold_value(thresholds, "min_median_tokens", None)
-    if min_median is not None and figures["median_tokens"] < min_median:
-        findings.append(Finding("median_tokens", figures["median_tokens"], min_median, "WARN", "<"))
-    _above(findings, "share_under_short", figures["share_under_short"],
-           threshold_value(thresholds, "max_share_short_warn", None), threshold_value(thresholds, "max_share_short_error", None))
-    _above(findings, "share_truncated", figures["share_truncated"],
-           threshold_value(thresholds, "max_share_truncated_warn", None), threshold_value(thresholds, "max_share_truncated_error", None))
+    if figures["median_tokens"] < thresholds.min_median_tokens:
+        findings.append(Finding("median_tokens", figures["median_tokens"], thresholds.min_median_tokens, "WARN", "<"))
+    _above(findings, "share_under_short", figures["share_under_short"], thresholds.max_share_short_warn,
+           thresholds.max_share_short_error)
+    _above(findings, "share_truncated", figures["share_truncated"], thresholds.max_share_truncated_warn,
+           thresholds.max_share_truncated_error)
     return _outcome(figures, findings)
 
 
-def reason_levels(thresholds: Any, reason: str) -> tuple[float | None, float | None]:
+def reason_levels(thresholds: Thresholds, reason: str) -> tuple[float | None, float | None]:
     """(warn, error) share levels of one drop reason from ``thresholds.max_share_by_reason`` (None = unchecked)."""
-    by_reason = threshold_value(thresholds, "max_share_by_reason", None) or {}
-    levels = by_reason.get(reason) if isinstance(by_reason, Mapping) else None
-    if levels is None:
-        return None, None
-    return threshold_value(levels, "warn", None), threshold_value(levels, "error", None)
+    levels = thresholds.max_share_by_reason.get(reason)
+    return (None, None) if levels is None else (levels.warn, levels.error)
 
 
-def evaluate_token_structure(drop_reasons: Sequence[str | None], thresholds: Any) -> Outcome:
+def evaluate_token_structure(drop_reasons: Sequence[str | None], thresholds: Thresholds) -> Outcome:
     """``token_structure``: share of rows dropped, in total and per drop reason.
 
-    ``drop_reasons`` has one entry per generated row (None for kept rows). ``thresholds`` gives
-    ``max_share_dropped_warn`` / ``max_share_dropped_error`` (defaults 0.05 / 0.2) for the total and, in
-    ``max_share_by_reason``, ``{reason: {warn, error}}`` levels for single reasons. Every reason with a level
+    ``drop_reasons`` has one entry per generated row (None for kept rows). ``thresholds`` (catalog ``Thresholds``)
+    gives ``max_share_dropped_warn`` / ``max_share_dropped_error`` for the total and, in ``max_share_by_reason``, ``{reason: {warn, error}}`` levels for single reasons. Every reason with a level
     appears in the figures, with share 0.0 when no row has it.
     """
     return token_structure_outcome(len(drop_reasons), Counter(r for r in drop_reasons if r), thresholds)
 
 
-def token_structure_outcome(n: int, counts: Mapping[str, int], thresholds: Any) -> Outcome:
+def token_structure_outcome(n: int, counts: Mapping[str, int], thresholds: Thresholds) -> Outcome:
     """``evaluate_token_structure`` from counts: ``n`` rows, ``counts`` drop reason -> dropped rows."""
     if n == 0:
         return _outcome({"count": 0}, [Finding("count", 0, 1, "ERROR", "<")])
     counts = {r: c for r, c in counts.items() if r and c}
-    by_reason = threshold_value(thresholds, "max_share_by_reason", None) or {}
+    by_reason = thresholds.max_share_by_reason
     figures: dict[str, float] = {"count": float(n), "share_dropped": sum(counts.values()) / n}
     for reason in sorted(set(counts) | set(by_reason)):
         figures[f"share_{reason}"] = counts.get(reason, 0) / n
     findings: list[Finding] = []
-    _above(findings, "share_dropped", figures["share_dropped"],
-           threshold_value(thresholds, "max_share_dropped_warn", 0.05), threshold_value(thresholds, "max_share_dropped_error", 0.2))
+    _above(findings, "share_dropped", figures["share_dropped"], thresholds.max_share_dropped_warn,
+           thresholds.max_share_dropped_error)
     for reason in sorted(by_reason):
         warn, error = reason_levels(thresholds, reason)
         _above(findings, f"share_{reason}", figures[f"share_{reason}"], warn, error)
