@@ -176,6 +176,10 @@ def simulate_acceptance(
 ) -> AcceptanceResult:
     """Simulate temperature-0 chain drafting over held-out rows (see module docstring).
 
+    Length: one loop on purpose; the chain's state (position in the row, the drafter's hidden state and the
+    pending draft, whether the chain has left the row and runs on exact re-runs) is carried from one verification
+    to the next, as SGLang's EAGLE worker carries it.
+
     Args:
         target_model: the HF target (eval mode, float32 on CPU is fine).
         drafter: the trained drafter; its ``aux_capture_ids`` select the target layers.

@@ -89,6 +89,16 @@ class QcSummary:
     shards: list[Path] = field(default_factory=list)
     output_tokens: int = 0
 
+    def count(self, seg, finish: pa.Array, short: np.ndarray, kept: int) -> None:
+        """Add one segmented batch's finish reasons, kept and short rows, output tokens, drop reasons and flags."""
+        self.finish_reasons.update(dict(zip(*(c.to_pylist() for c in pc.value_counts(finish).flatten()))))
+        self.kept += kept
+        self.short += int(short.sum())
+        self.output_tokens += int(seg.completion_tokens.sum(dtype=np.int64))
+        for c, k in zip(*np.unique(seg.drop_code[~seg.kept], return_counts=True)):
+            self.reasons[DROP_REASONS[c]] += int(k)
+        self.flags.update({f: k for f, k in seg.flag_counts().items() if k})
+
     def drop_reasons(self) -> list[str | None]:
         return [None if c < 0 else DROP_REASONS[c] for c in self.drop_code.tolist()]
 
@@ -240,80 +250,34 @@ def qc_partition(
     out_dir.mkdir(parents=True, exist_ok=True)
     if isinstance(prompts, pa.Table):
         prompts = PromptsFile.from_table(prompts)
-    index = prompts.index
-    opens_all = prompts.opens  # -1 where unknown (an older tokenized_prompts): the renderer's rule, per batch
     summary = QcSummary()
     codes, n_out, reasoning, answer = [], [], [], []
     seen: set[str] = set()
+    rules = dict(tool_call_in_reasoning=tool_call_in_reasoning, blank_ids=blank_ids, vocab_size=vocab_size,
+                 control_ids=control_ids)
     shards = ShardWriter(out_dir, QC_SCHEMA, rows_per_shard, bytes_per_shard)
     rows_out = AtomicParquetWriter(out_dir / "rows.parquet", ROWS_SCHEMA)
     try:
         for path in generation_shards:
             for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
-                names = batch.schema.names
-                sids = batch.column(names.index("sample_id")).to_pylist() if "sample_id" in names else \
-                    [None] * batch.num_rows
-                take, pidx = [], []
-                for j, sid in enumerate(sids):
-                    p = index.get(sid)
-                    if p is None:  # generated from an older prompt set; not part of this partition any more
-                        summary.reasons["stale_prompt"] += 1
-                    elif sid in seen:  # one training row per sample, whoever wrote the shards
-                        summary.reasons["duplicate_row"] += 1
-                    else:
-                        seen.add(sid)
-                        take.append(j)
-                        pidx.append(p)
-                if not take:
+                picked = _new_rows(batch, prompts.index, seen, summary)
+                if picked is None:
                     continue
-                sub = pa.Table.from_batches([batch]).take(pa.array(take, type=pa.int64()))
-                pidx_arr = np.array(pidx, dtype=np.int64)
-                pcol = prompts.take(pidx_arr)
-                opens = opens_all[pidx_arr]
-                unknown = np.flatnonzero(opens < 0)
-                if len(unknown):
-                    from eagle_assets.target_model.render import opens_think_block
-
-                    opens[unknown] = [opens_think_block(p, profile)
-                                      for p in pcol.take(pa.array(unknown)).to_pylist()]
-                opens = opens.astype(bool)
-                seg = segment_batch(sub, profile, prompt_opens_think=opens, prompt_ids=pcol,
-                                    tool_call_in_reasoning=tool_call_in_reasoning, blank_ids=blank_ids,
-                                    vocab_size=vocab_size, control_ids=control_ids)
-                kept = seg.kept
-                short = kept & (seg.completion_tokens < short_tokens)
-                finish = sub.column("finish_reason") if "finish_reason" in sub.schema.names else \
-                    pa.nulls(sub.num_rows, pa.string())
-                finish = finish.combine_chunks()
-                if not pa.types.is_string(finish.type):
-                    finish = pa.array([v if isinstance(v, str) else None for v in finish.to_pylist()],
-                                      type=pa.string())
-                n = sub.num_rows
-                drop_names = pa.array([None if c < 0 else DROP_REASONS[c] for c in seg.drop_code.tolist()],
-                                      type=pa.string())
-                sid_col = pa.array([sids[j] for j in take], type=pa.string())
-                rows_out.write(pa.Table.from_arrays([
-                    pa.array([partition] * n, type=pa.string()), sid_col, pa.array(seg.completion_tokens),
-                    pa.array(seg.reasoning_tokens), pa.array(seg.answer_tokens), pa.array(seg.tool_call_tokens),
-                    finish, pa.array([max_new_tokens] * n, type=pa.int32()), pa.array(kept), pa.array(short),
-                    drop_names,
-                ], schema=ROWS_SCHEMA))
-                keep = np.flatnonzero(kept)
+                sub, sid_col, pidx = picked
+                pcol = prompts.take(pidx)
+                seg = segment_batch(sub, profile, prompt_opens_think=_opens(prompts, pidx, pcol, profile),
+                                    prompt_ids=pcol, **rules)
+                short = seg.kept & (seg.completion_tokens < short_tokens)
+                finish = _finish_reasons(sub)
+                rows_out.write(_rows_table(partition, sid_col, seg, finish, short, max_new_tokens))
+                keep = np.flatnonzero(seg.kept)
                 if len(keep):
-                    out_col = sub.column("output_ids").combine_chunks()
-                    shards.add(training_rows(sid_col, pcol, out_col, seg, keep))
+                    shards.add(training_rows(sid_col, pcol, sub.column("output_ids").combine_chunks(), seg, keep))
                 codes.append(seg.drop_code)
                 n_out.append(seg.completion_tokens)
                 reasoning.append(seg.reasoning_tokens)
                 answer.append(seg.answer_tokens)
-                summary.finish_reasons.update(
-                    dict(zip(*(c.to_pylist() for c in pc.value_counts(finish).flatten()))))
-                summary.kept += len(keep)
-                summary.short += int(short.sum())
-                summary.output_tokens += int(seg.completion_tokens.sum(dtype=np.int64))
-                for c, k in zip(*np.unique(seg.drop_code[~kept], return_counts=True)):
-                    summary.reasons[DROP_REASONS[c]] += int(k)
-                summary.flags.update({f: k for f, k in seg.flag_counts().items() if k})
+                summary.count(seg, finish, short, len(keep))
         summary.shards = shards.close()
         rows_out.commit()
     finally:
@@ -327,3 +291,59 @@ def qc_partition(
     summary.rows = len(summary.drop_code)
     assert summary.kept == int((summary.drop_code == KEPT).sum())
     return summary
+
+
+def _new_rows(batch: pa.RecordBatch, index: dict[str, int], seen: set[str], summary: QcSummary):
+    """The rows of ``batch`` that are this partition's and not seen before: ``(rows table, their sample ids,
+    their prompts' positions int64 [n])``, or None when there is none. Rows of an older prompt set count as
+    ``stale_prompt``, repeats as ``duplicate_row`` (one training row per sample, whoever wrote the shards)."""
+    names = batch.schema.names
+    sids = batch.column(names.index("sample_id")).to_pylist() if "sample_id" in names else [None] * batch.num_rows
+    take, pidx = [], []
+    for j, sid in enumerate(sids):
+        p = index.get(sid)
+        if p is None:
+            summary.reasons["stale_prompt"] += 1
+        elif sid in seen:
+            summary.reasons["duplicate_row"] += 1
+        else:
+            seen.add(sid)
+            take.append(j)
+            pidx.append(p)
+    if not take:
+        return None
+    sub = pa.Table.from_batches([batch]).take(pa.array(take, type=pa.int64()))
+    return sub, pa.array([sids[j] for j in take], type=pa.string()), np.array(pidx, dtype=np.int64)
+
+
+def _opens(prompts: PromptsFile, pidx: np.ndarray, pcol: pa.Array, profile) -> np.ndarray:
+    """Whether each picked prompt opens a reasoning block (bool [n]): the stored flag, or, where an older
+    ``tokenized_prompts`` has none (-1), the renderer's rule on the prompt's ids."""
+    opens = prompts.opens[pidx]
+    unknown = np.flatnonzero(opens < 0)
+    if len(unknown):
+        from eagle_assets.target_model.render import opens_think_block
+
+        opens[unknown] = [opens_think_block(p, profile) for p in pcol.take(pa.array(unknown)).to_pylist()]
+    return opens.astype(bool)
+
+
+def _finish_reasons(sub: pa.Table) -> pa.Array:
+    """The rows' ``finish_reason`` as one string array (null where absent or not a string)."""
+    finish = sub.column("finish_reason") if "finish_reason" in sub.schema.names else pa.nulls(sub.num_rows, pa.string())
+    finish = finish.combine_chunks()
+    if not pa.types.is_string(finish.type):
+        finish = pa.array([v if isinstance(v, str) else None for v in finish.to_pylist()], type=pa.string())
+    return finish
+
+
+def _rows_table(partition: str, sid_col: pa.Array, seg, finish: pa.Array, short: np.ndarray,
+                max_new_tokens: int | None) -> pa.Table:
+    """One ``rows.parquet`` batch (``ROWS_SCHEMA``): every picked row's lengths, finish reason, cap and verdict."""
+    n = len(sid_col)
+    drop_names = pa.array([None if c < 0 else DROP_REASONS[c] for c in seg.drop_code.tolist()], type=pa.string())
+    return pa.Table.from_arrays([
+        pa.array([partition] * n, type=pa.string()), sid_col, pa.array(seg.completion_tokens),
+        pa.array(seg.reasoning_tokens), pa.array(seg.answer_tokens), pa.array(seg.tool_call_tokens),
+        finish, pa.array([max_new_tokens] * n, type=pa.int32()), pa.array(seg.kept), pa.array(short), drop_names,
+    ], schema=ROWS_SCHEMA)

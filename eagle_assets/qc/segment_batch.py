@@ -224,6 +224,10 @@ def segment_flat(
         tool_call_in_reasoning, blank_ids, vocab_size, control_ids: as in ``segment_output``.
     Returns: a ``BatchSegmentation``; row ``i`` equals ``segment_output`` of that row (tests hold it to that).
     Raises: ``ValueError`` for an unknown ``tool_call_in_reasoning`` policy or offsets that do not fit ``values``.
+
+    Length: one function on purpose. It applies ``segment_output``'s rules in the reference's order, each as a few
+    vectorised lines over the flat arrays, and every rule reads the masks the earlier ones left (first drop wins);
+    split, a dozen row masks would travel between functions and the order would no longer read top to bottom.
     """
     if tool_call_in_reasoning not in ("drop", "keep"):
         raise ValueError(f"tool_call_in_reasoning must be 'drop' or 'keep', got {tool_call_in_reasoning!r}")

@@ -593,6 +593,9 @@ def parse_generate_reply(
 ) -> GenerateReply:
     """Validate one ``/generate`` reply and return it as a ``GenerateReply``.
 
+    Length: the checks run in one sequence, each raising its own ``ReplyError`` kind, so which defect a reply is
+    reported with (the first that applies) is read in one place.
+
     Args:
         reply: the HTTP body (bytes/str, parsed here) or the already parsed dict of ONE item.
         prompt_ids: the request's ``input_ids``; enables the ``prompt_tokens`` and prompt-echo checks.

@@ -128,6 +128,9 @@ def segment_output(
 ) -> Segmentation:
     """Segment ``output_ids`` (ints, the target's raw completion incl. its final stop id) by ``profile``.
 
+    Length: the reference every vectorised path is tested against; its rules read top to bottom in the order a
+    reply is checked (the first failing rule names the drop reason), so it stays one function.
+
     Args:
         output_ids: SGLang ``output_ids`` of one request (list of int; None counts as empty).
         finish_reason: ``meta_info.finish_reason.type``: "stop", "length" or "abort".
