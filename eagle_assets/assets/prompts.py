@@ -176,19 +176,15 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel
     ) -> dg.MaterializeResult:
         """Prompt token ids from the target's chat template (add_generation_prompt=True), rendered once, never re-tokenized."""
-        from eagle_assets.target_model.profile import detect_profile
-        from eagle_assets.target_model.tokenizer import load_tokenizer
-
         key = context.partition_key
         catalog = settings.catalog()
         spec = catalog.partition(key)
         layout = settings.layout()
-        tokenizer = load_tokenizer(target.resolve())
-        profile = detect_profile(tokenizer, catalog.target.profile or None)
+        setup = target.setup(catalog.target.profile)
         out = layout.stage_dir("tokenized_prompts", key)
         # record batches in, one row group per batch out (tokenized_prompts.write): memory does not grow with the partition
-        result = tokenize_partition(layout.stage_dir("raw_prompts", key) / "prompts.parquet", out, tokenizer,
-                                    profile, enable_thinking=_first_mode(spec),
+        result = tokenize_partition(layout.stage_dir("raw_prompts", key) / "prompts.parquet", out, setup.tokenizer,
+                                    setup.profile, enable_thinking=_first_mode(spec),
                                     max_prompt_tokens=spec.max_prompt_tokens,
                                     first_turn=spec.prompt_policy == "all_turns")
         return dg.MaterializeResult(
@@ -202,7 +198,7 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
                 "share_opens_think": result.opens_think / result.rows if result.rows else 0.0,
                 "template_hash": result.template_hash,
                 "render_batches": result.batches,
-                "family_profile": profile.name,
+                "family_profile": setup.profile.name,
                 "path": dg.MetadataValue.path(str(out)),
             }
         )
