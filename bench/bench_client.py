@@ -1,7 +1,7 @@
 """Client throughput benchmark: our asyncio ``GenerateClient`` against a thread-pool client, side by side.
 
-Both clients talk to ``eagle_assets_tests.servers.stub_server`` running in SEPARATE processes (so the server never shares
-the client's event loop or GIL), send the same SGLang-native bodies and validate every reply with the same
+Both clients talk to ``eagle_assets_tests.servers.stub_server`` running in SEPARATE processes (so the server never
+shares the client's event loop or GIL), send the same SGLang-native bodies and validate every reply with the same
 ``parse_generate_reply`` (ids are ints inside the vocab, ``len(output_ids) == completion_tokens``, finish reason, rid).
 
 Runs (issue "Generation at production grade", item 7):
@@ -37,18 +37,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from schedstat import runq_wait_s  # noqa: E402
+
 from eagle_assets.serving.client import GenerateClient, run_sync  # noqa: E402
 from eagle_assets.serving.launch import READY_PREFIX  # noqa: E402
 from eagle_assets.serving.protocol import GenerateReply, ReplyError, SamplingParams, parse_generate_reply  # noqa: E402
-from schedstat import runq_wait_s  # noqa: E402
 
 VOCAB = 32000
 
 
 def start_stub(latency_ms: float, output_tokens: int) -> tuple[subprocess.Popen, str]:
     """Start a stub server process; return (process, base URL) once it prints its ready line."""
-    cmd = [sys.executable, "-m", "eagle_assets_tests.servers.stub_server", "--port", "0", "--latency-ms", str(latency_ms),
-           "--output-tokens", str(output_tokens), "--vocab-size", str(VOCAB), "--exit-with-parent"]
+    cmd = [sys.executable, "-m", "eagle_assets_tests.servers.stub_server", "--port", "0",
+           "--latency-ms", str(latency_ms), "--output-tokens", str(output_tokens), "--vocab-size", str(VOCAB),
+           "--exit-with-parent"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True,
                             cwd=Path(__file__).resolve().parents[1])
     line = proc.stdout.readline()

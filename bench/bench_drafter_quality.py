@@ -132,7 +132,8 @@ class SpecForgeArm:
     def step(self, aux: torch.Tensor, final: torch.Tensor, ids: np.ndarray, mask: np.ndarray) -> float:
         t = ids.size
         batch = self.batch_cls(sample_ids=["row"], strategy="eagle3", tensors={
-            "input_ids": torch.from_numpy(ids.astype(np.int64))[None], "attention_mask": torch.ones(1, t, dtype=torch.long),
+            "input_ids": torch.from_numpy(ids.astype(np.int64))[None],
+            "attention_mask": torch.ones(1, t, dtype=torch.long),
             "loss_mask": torch.from_numpy(mask.astype(np.float32))[None], "hidden_state": aux, "target": final,
         }, metadata={"target_repr": "hidden_state"})
         out = self.strategy.forward_loss(batch)
@@ -169,16 +170,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM
 
-    from eagle_assets.qc.status import passing_datasets
     from eagle_assets.assets.resources import PipelineSettings, TargetModel
-    from eagle_assets.drafter.splits import load_split_rows, mixed_training_rows
     from eagle_assets.drafter.checkpoint_eval import unseen_eval_rows
     from eagle_assets.drafter.evaluation import evaluate_groups
     from eagle_assets.drafter.export import load_drafter
-    from eagle_assets.drafter.features import run_target
+    from eagle_assets.drafter.features.local_capture import run_target
     from eagle_assets.drafter.recipe import config_from_catalog
+    from eagle_assets.drafter.splits import load_split_rows, mixed_training_rows
     from eagle_assets.drafter.train import train_drafter
     from eagle_assets.drafter.vocab import draft_vocab_from_arrays
+    from eagle_assets.qc.status import passing_datasets
     from eagle_assets.storage.shards import default_storage_root
 
     root = (args.storage_root or default_storage_root()).resolve()
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab_dir = settings.layout().base / "draft_vocab"
     vocab = draft_vocab_from_arrays(np.load(vocab_dir / "d2t.npy"), np.load(vocab_dir / "t2d.npy"))
     train = [(ids, mask) for _s, ids, mask, _k in mixed_training_rows(settings.layout(), settings.catalog(), keys)]
-    validation = [(ids, mask) for _s, ids, mask, _k in load_split_rows(settings.layout(), settings.catalog(), keys, "validation")]
+    validation = [(ids, mask)
+                  for _s, ids, mask, _k in load_split_rows(settings.layout(), settings.catalog(), keys, "validation")]
     test = load_split_rows(settings.layout(), settings.catalog(), keys, "test")
     groups = {k: [(ids, mask) for _s, ids, mask, p in test if p == k] for k in keys}
     model_dir = TargetModel(model=catalog.target.model).resolve()

@@ -35,8 +35,8 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from eagle_assets.qc.qc_pass import ROWS_SCHEMA  # noqa: E402
 from eagle_assets.qc.lengths import REPORT_COLUMNS, length_report  # noqa: E402
+from eagle_assets.qc.qc_pass import ROWS_SCHEMA  # noqa: E402
 
 # (partition, median reasoning tokens, median answer tokens, max_new_tokens): short tool calls to long chains.
 PARTITIONS = (("B1_glaive", 40, 60, 1024), ("B2_opencodeinstruct", 300, 250, 2048),
@@ -100,7 +100,8 @@ def pandas_report(files: list[Path]) -> list[tuple]:
         q = g["v"].quantile([0.1, 0.9]).unstack()
         for part, r in agg.iterrows():
             out.append((part, span, int(r["count"]), float(r["mean"]), float(r["median"]), float(q.loc[part, 0.1]),
-                        float(q.loc[part, 0.9]), float(r["short"]), float(r["long"]), int(r["at_cap"]), float(r["trunc"])))
+                        float(q.loc[part, 0.9]), float(r["short"]), float(r["long"]), int(r["at_cap"]),
+                        float(r["trunc"])))
     order = {"total": 0, "reasoning": 1, "answer": 2}
     return sorted(out, key=lambda t: (t[0], order[t[1]]))
 

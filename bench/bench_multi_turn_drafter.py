@@ -173,14 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import torch
+    from drafter_experiment import completion_tokens, train_and_measure
 
     from eagle_assets.assets.resources import PipelineSettings
-    from eagle_assets.drafter.splits import is_holdout
     from eagle_assets.catalog import load_catalog
-    from eagle_assets.tokenized_prompts.walk import parse_turn_row_id
     from eagle_assets.demo.shipped import demo_target
-    from drafter_experiment import completion_tokens, train_and_measure
+    from eagle_assets.drafter.splits import is_holdout
     from eagle_assets.storage.shards import default_storage_root
+    from eagle_assets.tokenized_prompts.walk import parse_turn_row_id
 
     torch.set_num_threads(1)
     model_dir = demo_target()
@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             results[name].append(r)
 
     groups = list(heldout)
-    print(f"\n| training set | seed | rows | row tokens/pass | completion tokens/pass | budget (row tokens) | "
-          f"final loss | " + " | ".join(f"tau {g} (95% CI) [rows]" for g in groups) + " |")
+    print("\n| training set | seed | rows | row tokens/pass | completion tokens/pass | budget (row tokens) | "
+          "final loss | " + " | ".join(f"tau {g} (95% CI) [rows]" for g in groups) + " |")
     print("|---|---|---|---|---|---|---|" + "---|" * len(groups))
     for name, runs in results.items():
         for seed, r in zip(args.seeds, runs):

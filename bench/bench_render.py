@@ -4,11 +4,11 @@ Writes N synthetic ShareGPT-like raw prompts (``raw_prompts.rows.RAW_SCHEMA``: o
 on 1 in 4, a weather tool on 1 in 6, a control-token smuggler on 1 in 500; the last user turn lognormal around
 150 words (40-600, as ``bench_scale.write_sharegpt``), earlier turns around 30-40 words) and renders
 them with the real Qwen3 tokenizer (/work/shared/data/tokenizers/qwen3-0.6b; EAGLE_SHARED_DATA overrides
-/work/shared/data) through ``tokenized_prompts.write.tokenize_partition`` (the body of the asset), once per ``--workers``
-value, and, on ``--reference`` of the records, through the per-record reference ``render.render_prompt`` (one
-``apply_chat_template`` + one encode per call). Prints prompts/s, CPU seconds per 1,000 prompts (this process and
-its workers: ``resource.getrusage``), the ratio to the reference, the load average, and checks that every run
-wrote the same ``prompts.parquet`` / ``rejects.parquet`` rows.
+/work/shared/data) through ``tokenized_prompts.write.tokenize_partition`` (the body of the asset), once per
+``--workers`` value, and, on ``--reference`` of the records, through the per-record reference
+``render.render_prompt`` (one ``apply_chat_template`` + one encode per call). Prints prompts/s, CPU seconds per
+1,000 prompts (this process and its workers: ``resource.getrusage``), the ratio to the reference, the load average,
+and checks that every run wrote the same ``prompts.parquet`` / ``rejects.parquet`` rows.
 
 ``--layout sharegpt`` writes one user turn per record instead (``bench_scale.write_sharegpt``'s conversations).
 
@@ -98,7 +98,6 @@ def main() -> int:
                          "over the same records in a child process, as a ratio")
     args = ap.parse_args()
 
-    from eagle_assets.raw_prompts.rows import RAW_SCHEMA
     from eagle_assets.target_model.profile import detect_profile
     from eagle_assets.target_model.render import RenderError, render_prompt
     from eagle_assets.target_model.tokenizer import load_tokenizer

@@ -38,7 +38,8 @@ Four modes, all on synthetic ShareGPT-like data with the real Qwen3 tokenizer
 Usage: ``.venv/bin/python bench/bench_scale.py micro [--rows 20000]``
        ``.venv/bin/python bench/bench_scale.py qc --conversations 10000 100000 [--baseline /tmp/base]``
        ``.venv/bin/python bench/bench_scale.py job --conversations 10000 100000 [--baseline /tmp/base] [--chunks K]``
-       ``.venv/bin/python bench/bench_scale.py raw --conversations 100000 --chunks 4 16 [--repeat 3] [--instance-yaml F]``
+       ``.venv/bin/python bench/bench_scale.py raw --conversations 100000 --chunks 4 16 [--repeat 3]
+       [--instance-yaml F]``
        ``.venv/bin/python bench/bench_scale.py client [--requests 20000] [--concurrency 1024] [--baseline /tmp/base]``
 
 Numbers depend on the machine's load: micro prints this process's run-queue wait (``bench/schedstat.py``), job and
@@ -71,9 +72,9 @@ CAP = 10_240
 
 
 def qwen_setup():
-    from eagle_assets.target_model.setup import blank_token_ids
     from eagle_assets.target_model.profile import detect_profile, target_vocab_size
     from eagle_assets.target_model.render import control_token_ids
+    from eagle_assets.target_model.setup import blank_token_ids
     from eagle_assets.target_model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(QWEN)
@@ -133,8 +134,8 @@ def synthetic(n: int, profile, control, vocab: int, seed: int = 0, start: int = 
 
 
 def micro(rows: int) -> int:
-    from eagle_assets.structure.segment import segment_row
     from eagle_assets.qc.segment_batch import segment_batch
+    from eagle_assets.structure.segment import segment_row
 
     try:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -579,7 +580,8 @@ def job_stage(sizes: list[int], concurrency: int, keep: Path | None, baseline: P
               f"{cell(b_qc, steps.get('qc_shards', float('nan')))} |")
     if base_out:
         print("\nagainst the baseline tree in the same run (ratio = baseline / now):\n| conversations | wall s | "
-              "peak RSS GB | " + " | ".join(f"{s} s" for s in JOB_STAGES) + " |\n|---|---|---|" + "---|" * len(JOB_STAGES))
+              "peak RSS GB | " + " | ".join(f"{s} s" for s in JOB_STAGES) + " |\n|---|---|---|"
+              + "---|" * len(JOB_STAGES))
         for n, tok, wall, peak, steps, shards in rows_out:
             if n not in base_out:
                 continue
@@ -625,7 +627,8 @@ def client_compare(requests: int, concurrency: int, baseline: Path) -> int:
             return 1
         got[name] = _client_rows(res.stdout)
     num = (lambda c: float(c.replace(",", "")))
-    print("\n| live monitor | client CPU us/req (baseline / now / ratio) | req/s (baseline / now / ratio) |\n|---|---|---|")
+    print("\n| live monitor | client CPU us/req (baseline / now / ratio) | req/s (baseline / now / ratio) |"
+          "\n|---|---|---|")
     for mode in ("on", "off"):
         b, n = got["baseline"][mode], got["now"][mode]
         print(f"| {mode} | {b[3]} / {n[3]} / {num(b[3]) / num(n[3]):.2f}x | {b[2]} / {n[2]} / "
@@ -638,13 +641,12 @@ def client_stage(requests: int, concurrency: int) -> int:
     ``PromptsFile`` against the Qwen3-shaped zero-latency stub in its own process, ``concurrency`` requests in
     flight; with and without the live monitor. Prints requests/s, client and stub CPU per request, and the client's
     one-core ceiling (1e6 / client CPU us per request: what it sustains on a free core)."""
-    from eagle_assets.target_model.setup import blank_token_ids
     from eagle_assets.catalog import LiveSpec, Thresholds
     from eagle_assets.generations.run import run_generation
-    from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
     from eagle_assets.qc.live import LiveQualityMonitor
     from eagle_assets.serving.client import GenerateClient
     from eagle_assets.serving.protocol import SamplingParams
+    from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
 
     tok, profile, blank, vocab, control = qwen_setup()
     print(f"run_generation, {requests:,} requests, {concurrency} in flight, Qwen3-shaped replies (~1,040 tokens), "

@@ -10,7 +10,7 @@ Prints, side by side, for a width ``W`` (default Kimi-K2.5 / DeepSeek-V3's 3H = 
 - JSON bytes per value (bfloat16-exact and float32-exact values) against 2 bytes in a bfloat16 shard;
 - with ``--url`` (a server launched with ``--speculative-algorithm EAGLE3 --enable-return-aux-hidden-states``) or
   ``--demo`` (the embedded demo target in this process): rows fetched through
-  :class:`eagle_assets.drafter.served_features.ServedFeatureSource`, tokens per second and reply bytes per token.
+  :class:`eagle_assets.drafter.features.served_client.ServedFeatureSource`, tokens per second and reply bytes per token.
 
 Usage: ``.venv/bin/python bench/bench_served_features.py [--width 21504] [--tokens 256]``
 ``[--url http://HOST:PORT --model-dir DIR --rows 8 --row-tokens 2048] [--demo]``. On a GPU host, run it once
@@ -62,8 +62,8 @@ def stages(width: int, tokens: int) -> None:
 
 
 def end_to_end(url: str, model_dir: str, rows: int, row_tokens: int) -> None:
-    from eagle_assets.drafter.served_feature_cache import served_features
-    from eagle_assets.drafter.served_features import ServedFeatureSource, ServedFeaturesSpec
+    from eagle_assets.drafter.features.served_cache import served_features
+    from eagle_assets.drafter.features.served_client import ServedFeatureSource, ServedFeaturesSpec
 
     source = ServedFeatureSource(model_dir, ServedFeaturesSpec(source="served", url=url, teacher="topk", top_k=20))
     rng = np.random.default_rng(0)

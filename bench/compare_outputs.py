@@ -67,7 +67,8 @@ def row_digest(root: Path, rels: list[str]) -> tuple[int, str]:
 
 
 def compare(a_root: Path, b_root: Path) -> dict[str, str]:
-    """Group (see :func:`group_of`) -> ``equal`` | ``equal as rows`` | ``DIFFERS`` | ``first only`` | ``second only``."""
+    """Group (see :func:`group_of`) -> ``equal`` | ``equal as rows`` | ``DIFFERS`` | ``first only`` |
+    ``second only``."""
     a, b = digests(a_root), digests(b_root)
     groups: dict[str, tuple[list[str], list[str]]] = {}
     for side, found in ((0, a), (1, b)):

@@ -50,10 +50,10 @@ def train_and_measure(
 
     from eagle_assets.drafter.acceptance import simulate_acceptance
     from eagle_assets.drafter.export import load_drafter
-    from eagle_assets.target_model.config import config_vocab_size as target_vocab_size
     from eagle_assets.drafter.recipe import config_from_catalog
     from eagle_assets.drafter.train import train_drafter
     from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
+    from eagle_assets.target_model.config import config_vocab_size as target_vocab_size
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

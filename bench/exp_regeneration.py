@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-
-from eagle_assets.drafter.splits import is_holdout  # noqa: E402
-from eagle_assets.catalog import MixSpec, default_catalog_path, load_catalog  # noqa: E402
 from drafter_experiment import completion_tokens, train_and_measure  # noqa: E402
+
+from eagle_assets.catalog import MixSpec, default_catalog_path, load_catalog  # noqa: E402
 from eagle_assets.drafter.mix import MixCandidate, build_mix  # noqa: E402
+from eagle_assets.drafter.splits import is_holdout  # noqa: E402
 from eagle_assets.storage.shards import default_storage_root  # noqa: E402
 
 
@@ -63,13 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--holdout-fraction", type=float, default=0.25,
                     help="share of each partition's prompts held out for measuring tau (default 0.25)")
     ap.add_argument("--out", type=Path, default=None, help="default: <storage>/experiments/regeneration")
-    ap.add_argument("--dry-run", action="store_true", help="build both arms, print them and one row of each; no training")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="build both arms, print them and one row of each; no training")
     ap.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0, 1, 2],
                     help="training seeds, comma-separated (default 0,1,2); each arm is trained once per seed")
     args = ap.parse_args(argv)
 
-    from eagle_assets.qc.status import passing_datasets
     from eagle_assets.assets.resources import PipelineSettings, TargetModel
+    from eagle_assets.qc.status import passing_datasets
     from eagle_assets.target_model.profile import detect_profile
     from eagle_assets.target_model.tokenizer import load_tokenizer
 
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     regen, original, heldout, skipped = [], [], {}, {}
     for key in keys:
         spec = catalog.partitions[key]
-        raw = {r["sample_id"]: r for r in pq.read_table(layout.base / "raw_prompts" / key / "prompts.parquet").to_pylist()}
+        raw = {r["sample_id"]: r
+               for r in pq.read_table(layout.base / "raw_prompts" / key / "prompts.parquet").to_pylist()}
         prompts = {r["sample_id"]: r["prompt_ids"]
                    for r in pq.read_table(layout.base / "tokenized_prompts" / key / "prompts.parquet").to_pylist()}
         qc = pq.read_table(layout.base / "qc_shards" / key / "shard-00000.parquet",

@@ -32,9 +32,9 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
+from drafter_experiment import train_and_measure  # noqa: E402
 
 from eagle_assets.catalog import load_catalog  # noqa: E402
-from drafter_experiment import train_and_measure  # noqa: E402
 from eagle_assets.drafter.mix import build_mix, mix_table_markdown  # noqa: E402
 from eagle_assets.storage.shards import default_storage_root  # noqa: E402
 

@@ -86,8 +86,9 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Modules holding a ``slow`` test run first, the longest first (``slow(seconds=N)``: about N seconds of a
-    parallel session; 60 when not given), their order inside kept: under ``-n auto --dist loadfile`` a long module that starts last
-    leaves the other workers idle while it finishes (longest-first is the classic fix for that tail)."""
+    parallel session; 60 when not given), their order inside kept: under ``-n auto --dist loadfile`` a long module
+    that starts last leaves the other workers idle while it finishes (longest-first is the classic fix for that
+    tail)."""
     seconds: dict[str, float] = {}
     for item in items:
         seconds[item.module.__name__] = max(seconds.get(item.module.__name__, 0.0), _slow_seconds(item))

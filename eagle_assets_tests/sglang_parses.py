@@ -6,7 +6,8 @@ minutes): the cases go through ``servers/sglang_reply_parse.py`` under that Pyth
 ``data/sglang_0.5.23_reply_parses.json`` must have been recorded with the same parse. Elsewhere (CI installs only the
 project) the recorded parses answer, and a case that was never recorded fails with the command that records it:
 
-    EAGLE_ASSETS_SGLANG_PYTHON=<venv>/bin/python EAGLE_ASSETS_RECORD_SGLANG=1 pytest eagle_assets_tests/test_reply_sglang.py
+    EAGLE_ASSETS_SGLANG_PYTHON=<venv>/bin/python EAGLE_ASSETS_RECORD_SGLANG=1 \\
+        pytest eagle_assets_tests/test_reply_sglang.py
 
 A recording is SGLang's output for that exact input (parser names, force_reasoning, text, tools, history count),
 never an expectation written by hand.
@@ -29,7 +30,8 @@ SCRIPT = HERE / "servers" / "sglang_reply_parse.py"
 def sglang_python() -> Path | None:
     """The Python of an SGLang 0.5.23 venv on this machine, or None."""
     given = os.environ.get("EAGLE_ASSETS_SGLANG_PYTHON")
-    for candidate in ([Path(given)] if given else []) + [HERE.parent / ".eagle_assets" / "sglang-cpu-venv" / "bin" / "python"]:
+    default = HERE.parent / ".eagle_assets" / "sglang-cpu-venv" / "bin" / "python"
+    for candidate in ([Path(given)] if given else []) + [default]:
         if candidate.is_file():
             return candidate
     return None

@@ -342,8 +342,8 @@ def test_a_chunked_dataset_trains_exactly_as_the_unchunked_one(runs):
 
 
 def test_training_waits_for_every_chunk(runs, tmp_path):
-    from eagle_assets.qc.status import passing_datasets
     from eagle_assets.assets.resources import PipelineSettings
+    from eagle_assets.qc.status import passing_datasets
 
     store = tmp_path / "store"
     shutil.copytree(runs["root"] / "store" / "chunked", store / "chunked")
@@ -381,7 +381,8 @@ def test_cli_partitions_expand_a_chunked_dataset_and_refuse_unknown_keys(tmp_pat
     assert chunks_without_qc(catalog, layout, ["B.c00"]) == {"B": ["B.c00", "B.c01", "B.c02"]}
     for key in chunk_keys("B", 3):
         (layout.stage_dir("qc_shards", key) / "rows.parquet").touch()
-    assert chunks_without_qc(catalog, layout, ["B.c00"]) == {"B": []} and chunks_without_qc(catalog, layout, ["A"]) == {}
+    assert chunks_without_qc(catalog, layout, ["B.c00"]) == {"B": []}
+    assert chunks_without_qc(catalog, layout, ["A"]) == {}
     assert os.path.isdir(layout.base / "qc_shards" / "B.c02")
 
 

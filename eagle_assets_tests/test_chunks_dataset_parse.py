@@ -1,7 +1,7 @@
 """A chunked dataset's sources are parsed once for all its chunks (issue 27 item 2).
 
-``raw_prompts.dataset_parse.dataset_chunk_rows`` (what the ``raw_prompts`` asset runs for a chunk): the first chunk run to
-need it parses the dataset into a parse directory shared by the chunks, the others read their own rows from it.
+``raw_prompts.dataset_parse.dataset_chunk_rows`` (what the ``raw_prompts`` asset runs for a chunk): the first chunk
+run to need it parses the dataset into a parse directory shared by the chunks, the others read their own rows from it.
 Checked against the full pass of every chunk (``write_raw_prompts`` without a cache, which reads and parses the whole
 sources): the same bytes in ``prompts.parquet`` and ``rejects.parquet`` and the same summary, for every chunk, with
 and without a ``limit``, with a file listed twice, in several row groups and with more chunks than one pass writes;
@@ -194,8 +194,8 @@ def test_chunks_run_at_once_in_processes_parse_once_and_write_the_full_pass_file
 
 def test_the_asset_reads_the_chunks_from_one_parse_with_the_full_pass_data_versions(tmp_path):
     from eagle_assets.assets.prompts import PARSE_STAGE
-    from eagle_assets.lineage.versions import directory_content_version
     from eagle_assets.definitions import build_definitions
+    from eagle_assets.lineage.versions import directory_content_version
 
     src = _source(tmp_path / "src.jsonl", 90)
     catalog = tmp_path / "cat.yaml"

@@ -14,9 +14,9 @@ import time
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle_assets.demo.recipe import DemoRecipe, demo_target_path, recipe_hash
 from eagle_assets.demo.build import DemoTargetRejected, build_demo_target, rejected_path
 from eagle_assets.demo.gate import default_catalog_caps, generate_replies
+from eagle_assets.demo.recipe import DemoRecipe, demo_target_path, recipe_hash
 from eagle_assets.demo.transcripts import generate_samples
 
 pytestmark = pytest.mark.slow(seconds=130)  # its share of a parallel session: scheduled early (conftest)
@@ -43,7 +43,8 @@ def test_build_is_cached_by_recipe_hash(tiny_target):
     root, path = tiny_target
     assert path == demo_target_path(root, TINY) and path.name == recipe_hash(TINY)[:16]
     meta = json.loads((path / "recipe.json").read_text())
-    assert meta["recipe_hash"] == recipe_hash(TINY) and meta["recipe"]["train_counts"] == [["tool", 2], ["code", 2], ["math", 2], ["reasoning", 2]]
+    assert meta["recipe_hash"] == recipe_hash(TINY)
+    assert meta["recipe"]["train_counts"] == [["tool", 2], ["code", 2], ["math", 2], ["reasoning", 2]]
     assert meta["workers"] == 2 and meta["gate"] is None and meta["train_steps"] >= 2
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     t0 = time.monotonic()

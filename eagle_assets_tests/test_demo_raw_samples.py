@@ -67,7 +67,8 @@ def test_native_layout(kind):
         for r in good:
             assert set(r) == {"messages", "num_tokens", "source"}
             assert [m["role"] for m in r["messages"]] == ["user", "assistant"]
-            assert r["messages"][1]["content"].startswith("<think>\n") and "\n</think>\n\n" in r["messages"][1]["content"]
+            answer = r["messages"][1]["content"]
+            assert answer.startswith("<think>\n") and "\n</think>\n\n" in answer
     else:
         for r in good:
             assert set(r) == {"system", "conversations"}
@@ -123,12 +124,12 @@ def test_all_turns_replay_of_b1_gives_the_gate_prompts_id_for_id():
     wrote (``"\\n\\n" + answer``), where the generator, like a dataset, wrote the answer stripped. The demo
     target was trained on the generator's prompts (changing them changes its weights, whose gate is recorded per
     kind of CPU); the replay's follow-up prompt is the gate's with that history instead."""
-    from eagle_assets.generations.reply import client_message
-    from eagle_assets.tokenized_prompts.walk import COMPLETE, ConversationWalk
     from eagle_assets.demo.rows import encode_sample
+    from eagle_assets.generations.reply import client_message
     from eagle_assets.structure.segment import segment_output
     from eagle_assets.target_model.profile import detect_profile
     from eagle_assets.target_model.render import render_prompt
+    from eagle_assets.tokenized_prompts.walk import COMPLETE, ConversationWalk
 
     tok = _template_tokenizer()
     profile = detect_profile(tok)

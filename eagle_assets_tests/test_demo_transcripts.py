@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 
 from eagle_assets.demo.tokenizer import CONTROL_TOKENS, GENERATION_PROMPT, train_demo_tokenizer
 from eagle_assets.demo.transcripts import (
-    KINDS,
     DONE_LINE,
+    KINDS,
     TURN_KINDS,
     completion_text,
     generate_mixture,

@@ -24,12 +24,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_targets import tiny_qwen3
 
 from eagle_assets.drafter.recipe import TrainConfig
 from eagle_assets.drafter.train import train_drafter
 from eagle_assets.drafter.train_command import read_rows, train_result_from_dict, write_training_inputs
 from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
-from tiny_targets import tiny_qwen3
 
 pytestmark = pytest.mark.slow(seconds=70)  # its share of a parallel session: scheduled early (conftest)
 

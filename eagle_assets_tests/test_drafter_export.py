@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tiny_targets import tiny_qwen3
 from transformers import AutoConfig
 
 from eagle_assets.drafter.export import (
@@ -19,10 +20,9 @@ from eagle_assets.drafter.export import (
     load_drafter,
     validate_checkpoint,
 )
-from eagle_assets.drafter.features import aux_layer_ids
+from eagle_assets.drafter.features.local_capture import aux_layer_ids
 from eagle_assets.drafter.model import DrafterConfig, Eagle3DraftModel
 from eagle_assets.drafter.vocab import build_draft_vocab
-from tiny_targets import tiny_qwen3
 
 VOCAB, HIDDEN, LAYERS, DRAFT = 300, 64, 8, 120
 

@@ -20,11 +20,11 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from tiny_targets import tiny_qwen3
 
 from eagle_assets.definitions import build_definitions
 from eagle_assets.drafter.train import train_drafter
 from eagle_assets.drafter.train_command import read_config, read_draft_vocab, read_rows
-from tiny_targets import tiny_qwen3
 
 pytestmark = pytest.mark.slow(seconds=85)  # its share of a parallel session: scheduled early (conftest)
 
@@ -72,8 +72,8 @@ def write_catalog(tmp: Path, target_dir: Path, **training) -> Path:
 
 
 def test_kubernetes_training_pod_gets_one_gpu_per_torchrun_process(tmp_path):
-    from eagle_assets.catalog import load_catalog
     from eagle_assets.assets.k8s import CPU_PER_GPU, GPU_RESOURCE, step_k8s_config, training_gpus
+    from eagle_assets.catalog import load_catalog
 
     four = load_catalog(write_catalog(tmp_path, tmp_path, nproc_per_node=4))
     resources = step_k8s_config(four)["drafter_checkpoint"]["container_config"]["resources"]
@@ -149,7 +149,7 @@ def test_torchrun_with_served_features_fetches_each_row_once_and_matches_an_inli
     as above). The server is our embedded one in aux-capture mode, in a thread of this process."""
     from safetensors import safe_open
 
-    from eagle_assets.drafter.feature_shards import row_key
+    from eagle_assets.drafter.features.shard_format import row_key
     from eagle_assets.drafter.train_command import read_features
     from eagle_assets.serving.server import serve_in_thread
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_targets import tiny_qwen3
 
 from eagle_assets.drafter import model as drafter_model
-from eagle_assets.drafter.features import (
+from eagle_assets.drafter.features.local_capture import (
     aux_layer_ids,
     capture_to_layer_output_ids,
     layer_output_to_capture_ids,
@@ -19,7 +20,6 @@ from eagle_assets.drafter.features import (
 )
 from eagle_assets.drafter.model import DrafterConfig, Eagle3DraftModel
 from eagle_assets.drafter.ttt_loss import drafter_rows, soft_cross_entropy, teacher_positions
-from tiny_targets import tiny_qwen3
 
 VOCAB = 300
 LAYERS = 8

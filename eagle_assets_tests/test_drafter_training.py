@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from tiny_targets import tiny_qwen3
 from transformers import AutoModelForCausalLM
 
 from eagle_assets.drafter.acceptance import completion_segments, simulate_acceptance
 from eagle_assets.drafter.export import load_drafter, validate_checkpoint
 from eagle_assets.drafter.train import TrainConfig, train_drafter
 from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
-from tiny_targets import tiny_qwen3
 
 VOCAB, LAYERS, PROMPT = 300, 8, 12
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from eagle_assets.generations.run import GenerationStats
 from eagle_assets.figures.running import DurationSketch
+from eagle_assets.generations.run import GenerationStats
 from eagle_assets.serving.client import ClientStats
 
 

@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 
 import pytest
+from test_raw_prompts_pass import _peak_bytes  # tracemalloc's peak over one call
 
 from eagle_assets.formats import reader
 from eagle_assets.formats.reader import FormatError, iter_raw_records
-from test_raw_prompts_pass import _peak_bytes  # tracemalloc's peak over one call
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"

@@ -13,8 +13,8 @@ import json
 import os
 import time
 import zlib
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,8 +23,8 @@ import pytest
 from eagle_assets.generations.run import FAILURES_FILE, LOCK_FILE, PartitionBusyError, run_generation
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.protocol import SamplingParams
-from eagle_assets_tests.servers.stub_server import SGLANG_ECHO_IDS, StubServer, serve_stub_in_thread, stub_output_ids
 from eagle_assets.storage.shards import read_shards, shard_paths
+from eagle_assets_tests.servers.stub_server import SGLANG_ECHO_IDS, StubServer, serve_stub_in_thread, stub_output_ids
 
 VOCAB = 500
 STOP = 2
@@ -380,13 +380,13 @@ def test_echo_that_only_the_reply_shape_betrays_is_retried_then_a_failure_and_qc
     # the echoed ids; about half were stored as good rows. With the generation stage's structure check none is.
     if not QWEN3_DIR.exists():
         pytest.skip(f"../shared/data is absent: {QWEN3_DIR} not found")
-    from eagle_assets.target_model.setup import blank_token_ids
-    from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
     from eagle_assets.qc.qc_pass import qc_partition
     from eagle_assets.structure.segment import StructureCheck, segment_row
     from eagle_assets.target_model import detect_profile, load_tokenizer, render_prompt
     from eagle_assets.target_model.profile import target_vocab_size
     from eagle_assets.target_model.render import control_token_ids
+    from eagle_assets.target_model.setup import blank_token_ids
+    from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
 
     tok = load_tokenizer(QWEN3_DIR)
     profile = detect_profile(tok)

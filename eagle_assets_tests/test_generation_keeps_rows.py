@@ -19,10 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from eagle_assets.lineage.versions import target_model_version
 from eagle_assets.catalog import load_catalog
 from eagle_assets.definitions import PARTITION_JOB, build_definitions
 from eagle_assets.generations.run import STAGING_DIR
+from eagle_assets.lineage.versions import target_model_version
 from eagle_assets.storage.shards import read_shards, shard_paths
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -181,8 +181,8 @@ def _stage_with_rows(tmp_path: Path, fingerprint: dict):
     """A partition folder with one stored shard and a staging folder holding one staged shard of ``fingerprint``."""
     import pyarrow as pa
 
-    from eagle_assets.generations.staging import record_generation_inputs
     from eagle_assets.generations.run import GENERATION_SCHEMA, staging_dir
+    from eagle_assets.generations.staging import record_generation_inputs
 
     out = tmp_path / "gen"
     stage = staging_dir(out)

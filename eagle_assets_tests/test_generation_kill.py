@@ -36,8 +36,8 @@ import pytest
 from eagle_assets.generations.run import FAILURES_FILE, run_generation
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.protocol import SamplingParams
-from eagle_assets_tests.servers.stub_server import StubServer, serve_stub_in_thread
 from eagle_assets.storage.shards import read_shards, shard_paths
+from eagle_assets_tests.servers.stub_server import StubServer, serve_stub_in_thread
 
 pytestmark = pytest.mark.slow(seconds=55)  # its share of a parallel session: scheduled early (conftest)
 

@@ -23,9 +23,9 @@ from eagle_assets.generations.run import FAILURES_FILE, LIVE_STATS_FILE, run_gen
 from eagle_assets.qc.live import LiveQualityMonitor
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.protocol import SamplingParams
-from eagle_assets_tests.servers.stub_server import StubServer, serve_stub_in_thread, stub_truncates
 from eagle_assets.storage.shards import read_shards
 from eagle_assets.target_model.profile import FamilyProfile
+from eagle_assets_tests.servers.stub_server import StubServer, serve_stub_in_thread, stub_truncates
 
 VOCAB = 500
 STOP, THINK_END, THINK_START, TOOL_START, TOOL_END = 2, 3, 4, 5, 6
@@ -281,8 +281,8 @@ def test_generations_asset_fails_fast_with_a_clear_description_and_keeps_rows(de
     import dagster as dg
     import yaml
 
-    from eagle_assets.definitions import build_definitions
     from eagle_assets.assets.server_resource import SGLangServerResource
+    from eagle_assets.definitions import build_definitions
 
     repo = Path(__file__).resolve().parents[1]
     catalog = yaml.safe_load((repo / "catalogs" / "default.yaml").read_text())

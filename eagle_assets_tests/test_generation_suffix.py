@@ -1,7 +1,8 @@
 """One render per prompt (``target_model.generation_suffix``): where a template is proven to append a constant
 generation prompt, the derived ``add_generation_prompt=False`` text equals the real second render, on varied
 conversations (system prompts, 1-3 turns, tools, tool calls and results, thinking on/off/default) of every real
-family's template and Qwen3's must be proven; DeepSeek-V3's is not (no header after tool outputs) and keeps two renders."""
+family's template and Qwen3's must be proven; DeepSeek-V3's is not (no header after tool outputs) and keeps two
+renders."""
 
 from __future__ import annotations
 

@@ -16,14 +16,22 @@ import json
 from pathlib import Path
 
 import pytest
+from test_quality_families import KIMI_THINKING_TEMPLATE, WEATHER_TOOL, _k25_template, _r1_template
 
 from eagle_assets.generations.reply import client_message, reply_spans
 from eagle_assets.generations.rollout import RolloutSettings, render_turn, take_reply
-from eagle_assets.tokenized_prompts.walk import (COMPLETE, QC_DROPPED, RENDER_REJECTED, TOOL_RESULT_NOT_RECORDED,
-                                            UNPARSEABLE_TOOL_CALL, ConversationWalk, thinking_modes, turn_row_id)
 from eagle_assets.structure.segment import segment_output
 from eagle_assets.target_model import detect_profile, load_kimi_tokenizer, load_tokenizer
-from test_quality_families import KIMI_THINKING_TEMPLATE, WEATHER_TOOL, _k25_template, _r1_template
+from eagle_assets.tokenized_prompts.walk import (
+    COMPLETE,
+    QC_DROPPED,
+    RENDER_REJECTED,
+    TOOL_RESULT_NOT_RECORDED,
+    UNPARSEABLE_TOOL_CALL,
+    ConversationWalk,
+    thinking_modes,
+    turn_row_id,
+)
 
 ROME = {"city": "Rome"}
 DATASET = [  # a glaive-style exchange: a call, its recorded result, the answer, a follow-up question

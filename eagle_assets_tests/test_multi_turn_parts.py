@@ -85,9 +85,11 @@ def test_turn_weights_split_a_partitions_share_between_its_turns():
     result = build_turn_mix(cands, spec, ["MT", "GSM"], turn_of)
     tokens = Counter()
     for c in result.selected:
-        tokens[group_name("MT", turn_of[(c.partition, c.sample_id)]) if c.partition == "MT" else c.partition] += c.tokens
+        group = group_name("MT", turn_of[(c.partition, c.sample_id)]) if c.partition == "MT" else c.partition
+        tokens[group] += c.tokens
     assert tokens == {"GSM": 200, "MT/turn1": 50, "MT/turn2": 150}  # MT keeps its half, split 1:3
-    assert {c.partition for c in result.selected} == {"MT", "GSM"} and set(result.before) == {"MT/turn1", "MT/turn2", "GSM"}
+    assert {c.partition for c in result.selected} == {"MT", "GSM"}
+    assert set(result.before) == {"MT/turn1", "MT/turn2", "GSM"}
     spec = spec.model_copy(update={"turn_weights": {1: 0}})
     zero = build_turn_mix(cands, spec, ["MT", "GSM"], turn_of)
     assert not [c for c in zero.selected if turn_of.get((c.partition, c.sample_id)) == 1]
@@ -105,10 +107,12 @@ def _write_rows(tmp_path: Path):
                 rid = f"s{i}:{mode}:{t}"
                 n = 10 * t + (5 if mode == "on" else 0) + i
                 dropped = t == 2 and mode == "off" and i == 0
-                rows.append({"partition": "MT", "sample_id": rid, "completion_tokens": n, "reasoning_tokens": 5 if mode == "on" else 0,
+                rows.append({"partition": "MT", "sample_id": rid, "completion_tokens": n,
+                             "reasoning_tokens": 5 if mode == "on" else 0,
                              "answer_tokens": n - (5 if mode == "on" else 0), "tool_call_tokens": 0,
-                             "finish_reason": "length" if dropped else "stop", "max_new_tokens": 64, "kept": not dropped,
-                             "short": False, "drop_reason": "truncated_in_answer" if dropped else None})
+                             "finish_reason": "length" if dropped else "stop", "max_new_tokens": 64,
+                             "kept": not dropped, "short": False,
+                             "drop_reason": "truncated_in_answer" if dropped else None})
                 turns.append({"row_id": rid, "sample_id": f"s{i}", "thinking": mode, "turn": t, "prompt_ids": [1, 2],
                               "n_prompt_tokens": 2, "prompt_opens_think": False, "tool_results": 0})
     pq.write_table(pa.Table.from_pylist(rows, schema=ROWS_SCHEMA), tmp_path / "rows.parquet")

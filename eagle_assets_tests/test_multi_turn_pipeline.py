@@ -53,7 +53,8 @@ class ScriptedQwen3Server(StubServer):
                 fn = dict(call["function"])
                 if len(last_user) % 2 == 0:
                     fn["arguments"] = {"unrecorded": True}
-                body += "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": fn["arguments"]}) + "\n</tool_call>"
+                body += ("<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": fn["arguments"]})
+                         + "\n</tool_call>")
             return think + body + "<|im_end|>"
         return think + f"This is answer number {turn} of this conversation.<|im_end|>"
 
@@ -134,8 +135,8 @@ def _rows(directory: Path) -> list[dict]:
 
 
 def test_all_turns_partitions_regenerate_every_turn_through_dagster(qwen, shared_data, tmp_path):
-    from eagle_assets.definitions import build_definitions
     from eagle_assets.assets.server_resource import SGLangServerResource
+    from eagle_assets.definitions import build_definitions
 
     calls = _recorded_calls(shared_data / "llama_factory/glaive_toolcall_en_demo.json", "sharegpt")
     server = ScriptedQwen3Server(qwen, calls)
@@ -207,7 +208,8 @@ def test_all_turns_partitions_regenerate_every_turn_through_dagster(qwen, shared
                            for t in spliced)
     assert max(t["turn"] for t in turns) >= 3
     print("GL conversations:", len(convs), "ends:", dict(ends), "rows by turn:",
-          dict(sorted(Counter(t["turn"] for t in turns).items())), "tool results:", sum(c["tool_results"] for c in convs))
+          dict(sorted(Counter(t["turn"] for t in turns).items())),
+          "tool results:", sum(c["tool_results"] for c in convs))
     gl_qc = json.loads((store / "qc_shards" / "GL" / "qc_status.json").read_text())
     assert gl_qc["rows"] == len(turns) and gl_qc["kept"] == len(turns)
 
@@ -225,7 +227,8 @@ prof = detect_profile(tok)
 settings = RolloutSettings(tokenizer=tok, profile=prof, tools={}, enable_thinking=cfg["thinking"], vocab_size=len(tok))
 print("READY", flush=True)
 sys.stdin.readline()
-stats = run_conversations(cfg["conversations"], Path(cfg["out"]), GenerateClient([cfg["url"]], concurrency_per_server=2),
+stats = run_conversations(cfg["conversations"], Path(cfg["out"]),
+                          GenerateClient([cfg["url"]], concurrency_per_server=2),
                           SamplingParams(max_new_tokens=64, stop_token_ids=list(prof.stop_ids)), settings,
                           flush_rows=1000, flush_seconds=60)
 print("DONE", json.dumps(stats.summary()), flush=True)
@@ -233,8 +236,8 @@ print("DONE", json.dumps(stats.summary()), flush=True)
 
 
 def test_sigkill_between_turns_resumes_at_the_next_turn_exactly_once(qwen, shared_data, tmp_path):
-    from eagle_assets.generations.rollout import RolloutSettings, run_conversations
     from eagle_assets.formats import build_prompt, load_records
+    from eagle_assets.generations.rollout import RolloutSettings, run_conversations
     from eagle_assets.serving.client import GenerateClient
     from eagle_assets.serving.protocol import SamplingParams
     from eagle_assets.target_model import detect_profile

@@ -89,7 +89,8 @@ def test_live_fail_fast_stops_between_turns_keeps_rows_and_resumes(qwen, tmp_pat
         assert stats.stopped_early and "share_dropped" in stats.stop_reason and stats.rounds == 2
         ends = _ends(tmp_path)
         assert {r for _, r, _ in ends} <= {"qc_dropped", "not_generated"} and any(r == "qc_dropped" for _, r, _ in ends)
-        assert stats.monitor.snapshot()["by_turn"]["2"]["drop_reasons"] == {"truncated_in_reasoning": stats.rows_by_turn[2]}
+        assert stats.monitor.snapshot()["by_turn"]["2"]["drop_reasons"] == {
+            "truncated_in_reasoning": stats.rows_by_turn[2]}
         kept = len(_rows(tmp_path))
         stopped = _run(tok, prof, running.url, tmp_path, convs)  # no monitor: every remaining turn 2 is sent
     assert not stopped.stopped_early and len(_rows(tmp_path)) == kept + stopped.succeeded == 12

@@ -25,10 +25,10 @@ import yaml
 from eagle_assets.assets.automation import unsynced
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.sensors import build_inputs_sensor
-from eagle_assets.generations.staging import GENERATION_INPUTS_FILE
 from eagle_assets.definitions import PARTITION_JOB, build_definitions
-from eagle_assets_tests.servers.stub_server import StubServer, serve_stub_in_thread
+from eagle_assets.generations.staging import GENERATION_INPUTS_FILE
 from eagle_assets.storage.shards import read_shards, shard_paths
+from eagle_assets_tests.servers.stub_server import StubServer, serve_stub_in_thread
 
 pytestmark = [pytest.mark.slow(seconds=90), pytest.mark.timeout(600)]
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
-from dagster._core.execution.backfill import BulkActionStatus
 import pytest
 import yaml
+from dagster._core.execution.backfill import BulkActionStatus
 from dagster._core.instance.ref import InstanceRef
 from dagster._core.scheduler.instigation import InstigatorType, TickStatus
 
@@ -528,8 +528,8 @@ def test_automation_on_the_daemon_materializes_exactly_what_changed(deployment, 
     """With the automation sensor on again, the daemon re-runs tokenization, generation and QC of both partitions,
     then the report and training, and nothing else; provenance.json in the new checkpoint names its run."""
     from eagle_assets.assets.automation import unsynced
-    from eagle_assets.definitions import build_definitions
     from eagle_assets.assets.provenance import PROVENANCE_FILE
+    from eagle_assets.definitions import build_definitions
 
     if "edited_at" not in AUTOMATION:
         pytest.skip("the chat template is edited by the UI test above")

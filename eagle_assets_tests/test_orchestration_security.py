@@ -10,9 +10,9 @@ import dagster as dg
 import pytest
 import yaml
 
+from eagle_assets.assets.server_resource import SGLangServerResource
 from eagle_assets.catalog import CatalogError, load_catalog
 from eagle_assets.definitions import PARTITION_JOB, build_definitions
-from eagle_assets.assets.server_resource import SGLangServerResource
 from eagle_assets.storage.shards import Layout
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -109,16 +109,16 @@ def test_truncated_partition_fails_blocking_check_and_stops_downstream(pipeline)
     lines = check_summary_lines(result)  # what `eagle-assets run` prints under the partition's status line
     assert any(l.startswith("  check qc_shards.response_length ERROR -- ") and "ERROR: share_truncated = 1 > "
                "threshold 0.1" in l for l in lines), lines
-    assert any(l.startswith("  check qc_shards.token_structure ERROR -- ERROR: share_dropped = 1") for l in lines), lines
+    assert any(l.startswith("  check qc_shards.token_structure ERROR -- ERROR: share_dropped = 1")
+               for l in lines), lines
     status = json.loads((store / "qc_shards" / "B1_cut" / "qc_status.json").read_text())
     assert status["passed"] is False
 
 
 def test_training_uses_passing_partitions_and_exports_valid_checkpoint(pipeline):
-    from eagle_assets.drafter.export import validate_checkpoint
-
     from eagle_assets.assets.automation import unsynced
     from eagle_assets.cli import acceptance_line
+    from eagle_assets.drafter.export import validate_checkpoint
 
     defs, instance, store = pipeline
     # training_settings has never been observed in this instance: the job's own observation step must run before

@@ -14,8 +14,8 @@ import dagster as dg
 import pytest
 import yaml
 
-from eagle_assets.assets.resources import PipelineSettings
 from eagle_assets.assets.provenance import FORMAT, PROVENANCE_FILE, build_provenance, write_provenance
+from eagle_assets.assets.resources import PipelineSettings
 from eagle_assets.lineage.identity import source_sha256
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

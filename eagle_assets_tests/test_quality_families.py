@@ -26,15 +26,15 @@ from pathlib import Path
 
 import pytest
 
-from eagle_assets.target_model.setup import blank_token_ids
 from eagle_assets.catalog import LiveSpec, Thresholds
 from eagle_assets.qc.live import LiveQualityMonitor
-from eagle_assets.structure.segment import DROP_REASONS, Segmentation, StructureCheck, reply_well_formed, segment_row
 from eagle_assets.qc.segment_batch import segment_rows
 from eagle_assets.serving.protocol import ReplyError, parse_generate_reply
+from eagle_assets.structure.segment import DROP_REASONS, Segmentation, StructureCheck, reply_well_formed, segment_row
 from eagle_assets.target_model import detect_profile, load_kimi_tokenizer, load_tokenizer, render_prompt
 from eagle_assets.target_model.profile import target_vocab_size
 from eagle_assets.target_model.render import control_token_ids
+from eagle_assets.target_model.setup import blank_token_ids
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 TOK = SHARED / "tokenizers"

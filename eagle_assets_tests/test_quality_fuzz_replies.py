@@ -15,8 +15,8 @@ import re
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagle_assets.structure.segment import DROP_REASONS, segment_output, segment_row
 from eagle_assets.serving.protocol import GenerateReply, ReplyError, parse_generate_reply
+from eagle_assets.structure.segment import DROP_REASONS, segment_output, segment_row
 from eagle_assets.target_model.profile import FamilyProfile
 
 VOCAB = 64

@@ -52,8 +52,8 @@ def test_length_report_empty():
 
 
 def test_response_length_levels():
-    th = Thresholds(**{"short_tokens": 50, "min_median_tokens": 20, "max_share_short_warn": 0.3, "max_share_short_error": 0.8,
-          "max_share_truncated_warn": 0.01, "max_share_truncated_error": 0.1})
+    th = Thresholds(**{"short_tokens": 50, "min_median_tokens": 20, "max_share_short_warn": 0.3,
+                       "max_share_short_error": 0.8, "max_share_truncated_warn": 0.01, "max_share_truncated_error": 0.1})
     ok = evaluate_response_length([100] * 10, ["stop"] * 10, th)
     assert ok.passed and ok.level == "OK"
     warn = evaluate_response_length([10] * 4 + [100] * 6, ["stop"] * 10, th)
@@ -82,6 +82,7 @@ def test_token_structure_levels_per_reason():
     assert warn.figures["share_empty_answer"] == 0.0  # a reason with a level is shown even at zero
     err = evaluate_token_structure([None] * 80 + ["missing_think_end"] * 20, th)
     assert not err.passed and err.level == "ERROR"
-    assert ("share_missing_think_end", 0.2, 0.15, "ERROR") in [(f.figure, f.value, f.threshold, f.level) for f in err.findings]
+    assert ("share_missing_think_end", 0.2, 0.15, "ERROR") in [(f.figure, f.value, f.threshold, f.level)
+                                                                for f in err.findings]
     assert evaluate_token_structure([None] * 99 + ["empty_answer"], th).level == "OK"  # 0.01 is not above 0.01
     assert evaluate_token_structure([None] * 98 + ["empty_answer"] * 2, th).level == "WARN"

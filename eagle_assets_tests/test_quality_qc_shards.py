@@ -21,11 +21,11 @@ import yaml
 
 from eagle_assets.assets.prompts import RAW_SCHEMA, build_prompt_assets
 from eagle_assets.assets.qc import build_qc_assets
-from eagle_assets.qc.qc_pass import QC_SKIP_REASONS
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.generations.run import GENERATION_SCHEMA
-from eagle_assets.structure.segment import DROP_REASONS
+from eagle_assets.qc.qc_pass import QC_SKIP_REASONS
 from eagle_assets.storage.shards import Layout
+from eagle_assets.structure.segment import DROP_REASONS
 from eagle_assets.target_model import load_tokenizer
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"

@@ -11,16 +11,15 @@ import json
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-
 import test_quality_fuzz_replies as fuzz
 import test_quality_segment as hand
+from hypothesis import given
+from hypothesis import strategies as st
+from test_quality_families import FAMILY_NAMES, _drop_cases, _keep_cases, deepseek_tok, families, kimi_tok, qwen_tok  # noqa: F401  (fixtures used by name)
+
 from eagle_assets.generations.run import GENERATION_SCHEMA
-from eagle_assets.structure.segment import DROP_REASONS, segment_output, segment_row
 from eagle_assets.qc.segment_batch import segment_batch, segment_flat
-from test_quality_families import (  # noqa: F401  (fixtures used by name)
-    FAMILY_NAMES, _drop_cases, _keep_cases, deepseek_tok, families, kimi_tok, qwen_tok)
+from eagle_assets.structure.segment import DROP_REASONS, segment_output, segment_row
 
 pytestmark = pytest.mark.slow(seconds=40)  # its share of a parallel session: scheduled early (conftest)
 

@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_assets.raw_prompts import write as raw_prompts_write
 from eagle_assets.catalog import load_catalog
+from eagle_assets.raw_prompts import write as raw_prompts_write
 from eagle_assets.raw_prompts.rows import RAW_SCHEMA, REJECT_SCHEMA, SeenIds, collect_prompt_rows
 from eagle_assets.raw_prompts.write import sample_order, write_raw_prompts
 

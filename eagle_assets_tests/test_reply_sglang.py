@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from sglang_parses import sglang_parses
+from test_multi_turn_pipeline import calls_after_users
+from test_quality_families import KIMI_THINKING_TEMPLATE, WEATHER_TOOL, _k25_template, _r1_template
 
 from eagle_assets.generations.reply import SGLANG_PARSERS, UNPARSEABLE_TOOL_CALL, client_message
 from eagle_assets.structure.segment import segment_output
 from eagle_assets.target_model import detect_profile, load_kimi_tokenizer, load_tokenizer
-from sglang_parses import sglang_parses
-from test_multi_turn_pipeline import calls_after_users
-from test_quality_families import KIMI_THINKING_TEMPLATE, WEATHER_TOOL, _k25_template, _r1_template
 
 AREA_TOOL = {"type": "function", "function": {
     "name": "circle_area", "description": "Area of a circle",
@@ -208,7 +208,8 @@ class Family:
             + f"Turn {turn} reasoning.\n</think>"
         if calls:
             body = "".join(f"<|tool_call_begin|>functions.{c['function']['name']}:{i}<|tool_call_argument_begin|>"
-                           f"{_canonical(c['function']['arguments'])}<|tool_call_end|>" for i, c in enumerate(reversed(calls)))
+                           f"{_canonical(c['function']['arguments'])}<|tool_call_end|>"
+                           for i, c in enumerate(reversed(calls)))
             return think + (" Calling now. " if turn % 2 else "") + f"<|tool_calls_section_begin|>{body}" \
                 "<|tool_calls_section_end|><|im_end|>"
         return think + f"{lead}Answer {turn}{trail}<|im_end|>"

@@ -5,7 +5,8 @@ transformers (the test makes that raise). The tau it reports must be the tau the
 this process) measures for the same drafter on the same rows.
 
 What is real: an 8-layer variant of the embedded demo target (conftest ``target8``, so SGLang's default capture ids
-apply) behind our aiohttp server in SGLang's aux-capture mode (in a thread of this process, started before the target loaders are made to raise), HTTP through the serving client, a real Dagster
+apply) behind our aiohttp server in SGLang's aux-capture mode (in a thread of this process, started before the target
+loaders are made to raise), HTTP through the serving client, a real Dagster
 instance materializing ``draft_vocab``, ``training_mix`` and ``drafter_checkpoint``, Parquet QC shards. The QC rows
 are written directly (the partition pipeline is tested elsewhere): chat prompts plus 24 tokens the demo target
 sampled at temperature 1 (seeded), so rows leave the greedy path and the walk must ask the server for the greedy
@@ -35,13 +36,13 @@ import transformers
 import yaml
 from transformers import AutoTokenizer
 
-from eagle_assets.drafter.splits import row_splits
 from eagle_assets.catalog import load_catalog
 from eagle_assets.definitions import build_definitions
 from eagle_assets.drafter import train as train_module
 from eagle_assets.drafter.acceptance import simulate_acceptance
 from eagle_assets.drafter.evaluation import evaluate_groups, greedy_rows
 from eagle_assets.drafter.export import load_drafter
+from eagle_assets.drafter.splits import row_splits
 from eagle_assets.drafter.vocab import draft_vocab_from_arrays
 from eagle_assets.serving.server import serve_in_thread
 

@@ -1,6 +1,7 @@
 """Drafter features served over SGLang's aux-capture protocol: an 8-layer variant of the embedded demo target
 (conftest ``target8``: its trained layers and four near-identity ones, so SGLang's default capture ids ``[2, 4, 5]``
-and other layer sets exist) behind our real HTTP server, compared with the trainer's local features (eagle_assets.drafter.features) computed in this process.
+and other layer sets exist) behind our real HTTP server, compared with the trainer's local features
+(eagle_assets.drafter.features.local_capture) computed in this process.
 
 What is real here: that target (a real Qwen3 checkpoint directory), the aiohttp server and its engine, HTTP, orjson, the
 safetensors shards on disk, the drafter's TTT loss and AdamW. What is not: SGLang itself (no GPU here); its side of
@@ -18,21 +19,21 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle_assets.drafter.feature_shards import FeatureShardError, FeatureSpec, content_sha256, verify_shard
-from eagle_assets.drafter.features import aux_layer_ids, head_argmax, head_logits, run_target
-from eagle_assets.drafter.served_feature_cache import (
+from eagle_assets.drafter.features.local_capture import aux_layer_ids, head_argmax, head_logits, run_target
+from eagle_assets.drafter.features.served_cache import (
     ServedFeatureCache,
     served_features,
     served_supervision,
     target_to_draft_index,
 )
-from eagle_assets.drafter.served_features import (
+from eagle_assets.drafter.features.served_client import (
     RefusedRow,
     ReplyRefused,
-    ServedFeatureSource,
     ServedFeaturesError,
+    ServedFeatureSource,
     ServedFeaturesSpec,
 )
+from eagle_assets.drafter.features.shard_format import FeatureShardError, FeatureSpec, content_sha256, verify_shard
 from eagle_assets.drafter.target_weights import read_target_tensor
 from eagle_assets.drafter.ttt_loss import supervision, teacher_positions
 from eagle_assets.serving.aux_capture import (
@@ -308,7 +309,7 @@ def test_full_vocab_topk_teacher_is_the_local_teacher(target8, served, local, ro
 
 def test_training_on_served_features_gives_the_local_drafter(target8, served, local, rows):
     """A few TTT optimizer steps from the same seed: local features vs features served over HTTP."""
-    from eagle_assets.drafter.feature_cache import make_batches, pad, prepare_rows
+    from eagle_assets.drafter.features.local_cache import make_batches, pad, prepare_rows
     from eagle_assets.drafter.model import DrafterConfig, Eagle3DraftModel
     from eagle_assets.drafter.ttt_loss import ttt_loss
 
@@ -436,7 +437,7 @@ def test_refused_rows_are_counted_not_fatal(target8, served, rows):
 
 
 def test_feature_cache_modes_agree(target8, served, rows, tmp_path):
-    from eagle_assets.drafter.feature_cache import prepare_rows
+    from eagle_assets.drafter.features.local_cache import prepare_rows
 
     prepared, _, _ = prepare_rows(rows, 1 << 20, 4096)
     vocab = np.arange(64, dtype=np.int64)

@@ -1,6 +1,7 @@
 """The drafter trainer on served features (catalog ``training.features.source: served``) against the trainer on
 local features: an 8-layer variant of the embedded demo target (conftest ``target8``) behind our real aiohttp
-server in SGLang's aux-capture mode, and ``train_drafter`` end to end (rows, batches, TTT, AdamW, validation curve with simulated acceptance, export).
+server in SGLang's aux-capture mode, and ``train_drafter`` end to end (rows, batches, TTT, AdamW, validation curve
+with simulated acceptance, export).
 
 What is real: that target, the server and its engine (float64), HTTP through the serving client, orjson, the
 safetensors feature shards, the trainer. What is not: SGLang itself (no GPU here; docs/served_features.md says
@@ -32,8 +33,8 @@ from transformers import AutoTokenizer
 
 from eagle_assets.catalog import FeaturesSpec, TrainingSpec
 from eagle_assets.drafter import train as train_module
-from eagle_assets.drafter.feature_cache import prepare_rows
-from eagle_assets.drafter.feature_source import ServedFeatures, feature_source
+from eagle_assets.drafter.features.local_cache import prepare_rows
+from eagle_assets.drafter.features.source import ServedFeatures, feature_source
 from eagle_assets.drafter.recipe import TrainConfig
 from eagle_assets.drafter.train import train_drafter
 from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
@@ -229,9 +230,9 @@ def test_drafter_checkpoint_asset_trains_on_served_features(tmp_path):
     same drafter is :func:`test_served_training_gives_the_local_drafter`; this test is the wiring.)"""
     import dagster as dg
     import yaml
+    from tiny_targets import tiny_qwen3
 
     from eagle_assets.definitions import build_definitions
-    from tiny_targets import tiny_qwen3
 
     vocab = 300
     target_dir = tmp_path / "target"

@@ -13,10 +13,10 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from eagle_assets.assets.server_resource import SGLangServerResource, shared_launcher
 from eagle_assets.serving.client import GenerateClient
 from eagle_assets.serving.launch import launch_server, launched_server
 from eagle_assets.serving.protocol import GenerateReply, SamplingParams
-from eagle_assets.assets.server_resource import SGLangServerResource, shared_launcher
 from eagle_assets_tests.servers.tiny_model import write_tiny_causal_lm
 
 pytestmark = pytest.mark.slow(seconds=70)  # its share of a parallel session: scheduled early (conftest)
@@ -174,10 +174,10 @@ def _default_catalog() -> dict:
 def test_cli_partition_runs_share_one_launcher_only_when_the_catalog_launches_in_process(tmp_path, monkeypatch):
     import yaml
 
+    from eagle_assets.assets import server_resource as resource_module
     from eagle_assets.catalog import load_catalog
     from eagle_assets.cli import _partition_definitions
     from eagle_assets.definitions import build_definitions
-    from eagle_assets.assets import server_resource as resource_module
 
     base = _default_catalog()
     launched = tmp_path / "launch.yaml"
@@ -205,10 +205,10 @@ def test_cli_prelaunches_the_shared_server_while_the_first_partition_prepares(mo
     asks for it; the step then finds it ready. A run whose partitions all have generations launches on demand."""
     import yaml
 
+    from eagle_assets.assets import server_resource as resource_module
     from eagle_assets.catalog import load_catalog
     from eagle_assets.cli import _first_run, _partition_definitions
     from eagle_assets.definitions import build_definitions
-    from eagle_assets.assets import server_resource as resource_module
     from eagle_assets.storage.shards import Layout
 
     base = _default_catalog()

@@ -1,10 +1,10 @@
 """The stages stream (issue 16): partitions larger than one batch go through in bounded pieces and give exactly the
 rows of the one-batch path.
 
-- ``tokenized_prompts.prompts_file.PromptsFile`` (what ``generations`` and ``qc_shards`` read prompts through) over a file of many
-  small row groups with a one-group cache: the same ids as the whole table, in any order.
-- ``tokenized_prompts.write.tokenize_partition`` over more records than one batch: several row groups, and rows / rejects
-  equal to ``render_prompt`` record by record (real tokenizers of the shared data: every family, several layouts;
+- ``tokenized_prompts.prompts_file.PromptsFile`` (what ``generations`` and ``qc_shards`` read prompts through) over a
+  file of many small row groups with a one-group cache: the same ids as the whole table, in any order.
+- ``tokenized_prompts.write.tokenize_partition`` over more records than one batch: several row groups, and rows /
+  rejects equal to ``render_prompt`` record by record (real tokenizers of the shared data: every family, several layouts;
   ``render_prompts``' batch encode against the one-record path).
 - ``qc_partition`` reading prompts from such a file equals the in-memory path.
 - ``run_generation`` from a ``PromptsFile`` against the stub server over real HTTP: several bounded shards, killed
@@ -24,22 +24,23 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from eagle_assets.catalog import LiveSpec, Thresholds
-from eagle_assets.raw_prompts.rows import RAW_SCHEMA, REJECT_SCHEMA
-from eagle_assets.generations.run import GENERATION_SCHEMA, run_generation
-from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
-from eagle_assets.qc.live import LiveQualityMonitor
-from eagle_assets.qc.qc_pass import qc_partition
-from eagle_assets.serving.client import GenerateClient
-from eagle_assets.serving.protocol import SamplingParams
-from eagle_assets_tests.servers.stub_server import StubServer, serve_stub_in_thread
-from eagle_assets.storage.shards import read_shards, shard_paths
-from eagle_assets.tokenized_prompts.write import TOKENIZED_SCHEMA, tokenize_partition
-from test_generation_live import PROFILE as STUB_PROFILE, STOP, THINK_END, VOCAB as STUB_VOCAB
+from test_generation_live import PROFILE as STUB_PROFILE
+from test_generation_live import STOP, THINK_END
+from test_generation_live import VOCAB as STUB_VOCAB
 from test_quality_fuzz_replies import BLANK, CONTROL, VOCAB
 from test_quality_qc_pass import PROFILE, _random_rows
 
+from eagle_assets.catalog import LiveSpec, Thresholds
+from eagle_assets.generations.run import GENERATION_SCHEMA, run_generation
+from eagle_assets.qc.live import LiveQualityMonitor
+from eagle_assets.qc.qc_pass import qc_partition
+from eagle_assets.raw_prompts.rows import RAW_SCHEMA, REJECT_SCHEMA
+from eagle_assets.serving.client import GenerateClient
+from eagle_assets.serving.protocol import SamplingParams
+from eagle_assets.storage.shards import read_shards, shard_paths
+from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
+from eagle_assets.tokenized_prompts.write import TOKENIZED_SCHEMA, tokenize_partition
+from eagle_assets_tests.servers.stub_server import StubServer, serve_stub_in_thread
 
 pytestmark = pytest.mark.slow(seconds=60)  # its share of a parallel session: scheduled early (conftest)
 
@@ -109,7 +110,8 @@ def test_qc_from_a_lazily_read_prompts_file_equals_the_in_memory_path(tmp_path, 
     assert len(b.shards) > 1
     for x, y in zip(a.shards, b.shards):
         assert pq.read_table(x).equals(pq.read_table(y))
-    assert pq.read_table(tmp_path / "qc_mem" / "rows.parquet").equals(pq.read_table(tmp_path / "qc_file" / "rows.parquet"))
+    assert pq.read_table(tmp_path / "qc_mem" / "rows.parquet").equals(
+        pq.read_table(tmp_path / "qc_file" / "rows.parquet"))
 
 
 # ------------------------------------------------------------------------------------------- tokenized_prompts
@@ -382,8 +384,8 @@ def test_shards_written_through_numpy_equal_what_table_from_pylist_writes():
 
 def test_reply_shape_gives_long_tailed_qwen3_replies_that_qc_keeps():
     from eagle_assets.structure.segment import segment_row
-    from eagle_assets_tests.servers.stub_server import ReplyShape
     from eagle_assets.target_model.profile import FamilyProfile
+    from eagle_assets_tests.servers.stub_server import ReplyShape
 
     shape = ReplyShape(think_start_id=4, think_end_id=3, stop_id=2, median=200, sigma=0.6, cap_share=0.02)
     profile = FamilyProfile(name="custom", think_start_id=4, think_end_id=3, tool_call_start_ids=(5,),

@@ -32,7 +32,8 @@ def kimi():
 def test_ids_and_profile(kimi):
     assert len(kimi) == 163840
     expected = {"[BOS]": 163584, "[EOS]": 163585, "<|im_end|>": 163586, "<|im_middle|>": 163601, "<think>": 163606,
-                "</think>": 163607, "<|tool_calls_section_begin|>": 163595, "[PAD]": 163839, "<|reserved_token_163600|>": 163600}
+                "</think>": 163607, "<|tool_calls_section_begin|>": 163595, "[PAD]": 163839,
+                "<|reserved_token_163600|>": 163600}
     assert {t: kimi.convert_tokens_to_ids(t) for t in expected} == expected
     assert (kimi.bos_token_id, kimi.eos_token_id) == (163584, 163585)
     p = detect_profile(kimi)
@@ -57,7 +58,8 @@ def test_bpe_matches_tiktoken_algorithm(kimi):
         parts = [raw] if raw in ranks else _merge_parts(ranks, raw, len(ranks) + 1)
         expected.extend(ranks[p] for p in parts)
     assert kimi(TEXT, add_special_tokens=False)["input_ids"] == expected
-    han = [p for p, _ in pieces if any("\u4e00" <= ch <= "\u9fff" for ch in bytes(table[c] for c in p).decode("utf-8", "ignore"))]
+    han = [p for p, _ in pieces
+           if any("\u4e00" <= ch <= "\u9fff" for ch in bytes(table[c] for c in p).decode("utf-8", "ignore"))]
     assert han  # Han runs are split from the surrounding Latin text by the Kimi pattern
 
 

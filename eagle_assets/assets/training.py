@@ -170,7 +170,7 @@ def train_and_evaluate(context: dg.AssetExecutionContext, settings: PipelineSett
     from eagle_assets.drafter.checkpoint_eval import evaluate_checkpoint
     from eagle_assets.drafter.evaluation import acceptance_png
     from eagle_assets.drafter.export import load_drafter
-    from eagle_assets.drafter.feature_source import ServedFeatures, resolve_features
+    from eagle_assets.drafter.features.source import ServedFeatures, resolve_features
     from eagle_assets.drafter.learning_curve import curve_png
 
     catalog, layout = settings.catalog(), settings.layout()

@@ -89,8 +89,8 @@ class FeaturesSpec(StrictModel):
     """``training.features``: where the drafter's target features (aux hidden states, teacher) come from.
 
     ``local`` (the default) runs the target with transformers in the trainer's process
-    (``eagle_assets.drafter.feature_cache``); ``served`` fetches them from an SGLang server in aux-capture mode
-    (``eagle_assets.drafter.served_features``; docs/served_features.md). ``features: served`` is short for
+    (``eagle_assets.drafter.features.local_cache``); ``served`` fetches them from an SGLang server in aux-capture mode
+    (``eagle_assets.drafter.features.served_client``; docs/served_features.md). ``features: served`` is short for
     ``features: {source: served}``.
 
     Fields (``served`` only):

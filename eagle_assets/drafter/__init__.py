@@ -14,7 +14,7 @@ from eagle_assets.drafter.export import (
     load_drafter,
     validate_checkpoint,
 )
-from eagle_assets.drafter.features import (
+from eagle_assets.drafter.features.local_capture import (
     aux_layer_ids,
     capture_to_layer_output_ids,
     layer_output_to_capture_ids,

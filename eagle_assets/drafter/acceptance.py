@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from eagle_assets.drafter.features import head_argmax, run_target
+from eagle_assets.drafter.features.local_capture import head_argmax, run_target
 from eagle_assets.drafter.model import Eagle3DraftModel
 from eagle_assets.drafter.vocab import DraftVocab
 
@@ -148,7 +148,7 @@ def walkable(row, vocab_size: int) -> tuple[np.ndarray, np.ndarray, list[tuple[i
     """``(input_ids int64 [T], loss_mask [T], completion segments)`` of a row :func:`simulate_acceptance` walks, or
     why it does not: a reason for a malformed row, ``""`` for a well-formed one without a segment to draft in (a
     completion run of >= 2 tokens after the first position). Feature sources that fetch rows ahead of the walk
-    (``feature_source.ServedAcceptanceFeatures``) use it to ask only for rows the walk will read."""
+    (``features.source.ServedAcceptanceFeatures``) use it to ask only for rows the walk will read."""
     try:
         ids_np = np.asarray(row[0], dtype=np.int64)
         mask_np = np.asarray(row[1])
@@ -193,7 +193,7 @@ def simulate_acceptance(
             a row is None (a served row the server refused) skips that row with a note.
         greedy_next: the target's greedy token after a prefix (int64 ``[n]``), for the exact re-runs once a draft
             leaves the row; None = a forward of ``target_model``. With it and ``features`` holding every row (e.g.
-            features served by SGLang, ``eagle_assets.drafter.served_features``), ``target_model`` is never run.
+            features served by SGLang, ``eagle_assets.drafter.features.served_client``), ``target_model`` is never run.
 
     Returns:
         :class:`AcceptanceResult`.

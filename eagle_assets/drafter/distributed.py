@@ -9,9 +9,10 @@ the gradients (bucketed, overlapped with the backward), which is all the drafter
 
 What stays the same as one process, by construction:
 
-- **The global batch.** Every rank builds the same batches from the same rows (``feature_cache.make_batches``),
-  plans the same steps and draws the same epoch order; rank ``r`` of ``W`` takes rows ``batch[r::W]`` of each
-  batch (:meth:`DataParallel.shard`; rows are sorted longest first, so the strided split balances tokens). The
+- **The global batch.** Every rank builds the same batches from the same rows
+  (``features.local_cache.make_batches``), plans the same steps and draws the same epoch order; rank ``r`` of
+  ``W`` takes rows ``batch[r::W]`` of each batch (:meth:`DataParallel.shard`; rows are sorted longest first, so
+  the strided split balances tokens). The
   step a run takes does not depend on ``W``, and so neither do the weights (up to float rounding: the features
   and the drafter run on smaller padded batches, and the gradient is summed in another order).
 - **The loss.** One process takes, per TTT step ``i``, the mean soft cross-entropy over that step's supervised

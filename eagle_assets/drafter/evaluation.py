@@ -9,8 +9,8 @@ features and greedy ids come from the server (``evaluate_groups(..., acceptance_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np

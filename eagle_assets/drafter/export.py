@@ -7,7 +7,7 @@ Contract (SGLang ``python/sglang/srt/models/llama_eagle3.py``, ``LlamaForCausalL
   would make SGLang use the embedding as lm_head and drop ours), ``draft_vocab_size`` (None would make SGLang load
   the target's full lm_head instead), ``target_hidden_size``, ``hidden_act: "silu"`` (its ``LlamaMLP`` refuses
   others), and ``eagle_config.eagle_aux_hidden_state_layer_ids`` in LAYER-OUTPUT numbering (SGLang adds 1 to get
-  capture ids; see :mod:`eagle_assets.drafter.features`).
+  capture ids; see :mod:`eagle_assets.drafter.features.local_capture`).
 - ``model.safetensors``: exactly :data:`EXPECTED_KEYS`. SGLang's ``load_weights`` silently skips names it does not
   know and leaves unloaded parameters at their initial values, so a wrong name is a silent garbage drafter: hence
   the strict validator. ``embed_tokens`` is never shipped (the target's embedding is shared).
@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle_assets.drafter.features import (
+from eagle_assets.drafter.features.local_capture import (
     aux_layer_ids,
     capture_to_layer_output_ids,
     layer_output_to_capture_ids,

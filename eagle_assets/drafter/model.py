@@ -37,7 +37,7 @@ class DrafterConfig:
     """Shape and rotary settings of an EAGLE-3 drafter (the fields SGLang's ``LlamaForCausalLMEagle3`` reads).
 
     ``hidden_size`` must equal the target's hidden size: the drafter borrows the target's embedding. Aux ids are
-    stored as CAPTURE ids (see :mod:`eagle_assets.drafter.features`).
+    stored as CAPTURE ids (see :mod:`eagle_assets.drafter.features.local_capture`).
     """
 
     hidden_size: int

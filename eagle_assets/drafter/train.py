@@ -2,7 +2,7 @@
 
 The pieces live beside it: the recipe and step plan in :mod:`~eagle_assets.drafter.recipe`, the loss and its
 alignment in :mod:`~eagle_assets.drafter.ttt_loss`, rows, batches and cached target features in
-:mod:`~eagle_assets.drafter.feature_cache`, the learning curve and early stopping in
+:mod:`~eagle_assets.drafter.features.local_cache`, the learning curve and early stopping in
 :mod:`~eagle_assets.drafter.learning_curve`, the crash-safe resumable state in
 :mod:`~eagle_assets.drafter.train_state`.
 
@@ -32,9 +32,9 @@ from torch import nn
 from eagle_assets.drafter.acceptance import AcceptanceResult, simulate_acceptance
 from eagle_assets.drafter.distributed import DataParallel
 from eagle_assets.drafter.export import CheckpointReport, export_checkpoint
-from eagle_assets.drafter.feature_cache import FeatureCache, PreparedRow, cache_bytes, make_batches, pad, prepare_rows
-from eagle_assets.drafter.feature_source import feature_source
-from eagle_assets.drafter.features import aux_layer_ids
+from eagle_assets.drafter.features.local_cache import cache_bytes, make_batches, pad, prepare_rows
+from eagle_assets.drafter.features.local_capture import aux_layer_ids
+from eagle_assets.drafter.features.source import feature_source
 from eagle_assets.drafter.learning_curve import CurvePoint, EarlyStopping, StepMetrics
 from eagle_assets.drafter.model import DrafterConfig, Eagle3DraftModel
 from eagle_assets.drafter.recipe import (
@@ -228,7 +228,7 @@ def train_drafter(
             same arguments); None = one process. Rank 0 logs, holds the ``state_dir`` lock, saves and exports.
         features: where the target features come from (catalog ``training.features``, a ``FeaturesSpec``):
             None or ``source: local`` = the target loaded here (``target_dir``); ``served`` = an SGLang server in
-            aux-capture mode (:mod:`~eagle_assets.drafter.feature_source`; only ``config.json`` and the input
+            aux-capture mode (:mod:`~eagle_assets.drafter.features.source`; only ``config.json`` and the input
             embedding are read from ``target_dir``, and rows the server refuses are skipped as ``served_<reason>``).
 
     Returns:

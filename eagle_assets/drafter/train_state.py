@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from eagle_assets.drafter.feature_cache import PreparedRow
+from eagle_assets.drafter.features.local_cache import PreparedRow
 from eagle_assets.drafter.learning_curve import CurvePoint, StepMetrics
 from eagle_assets.drafter.model import DrafterConfig
 from eagle_assets.drafter.recipe import TRAJECTORY_FIELDS, StepPlan, TrainConfig

@@ -116,7 +116,7 @@ def supervision(
     Args:
         teachers: per row of the batch, its teacher positions int64 ``[N_b]``.
         feats: per row, ``(aux [T, 3H], final-normed hidden at the teacher positions [N_b, H], greedy ids [N_b])``
-            (:class:`~eagle_assets.drafter.feature_cache.FeatureCache`).
+            (:class:`~eagle_assets.drafter.features.local_cache.FeatureCache`).
         in_draft: bool ``[V]`` (``DraftVocab.t2d``).
         teacher_w, teacher_b: the target's lm_head rows of the draft vocab ``[D, H]`` (and bias ``[D]`` or None).
     """

@@ -43,8 +43,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle_assets.figures.running import DurationSketch
-from eagle_assets.storage.shards import (clear_shards, next_shard_path, read_done_ids, shard_paths, shard_row_count,
-                                         write_bytes_atomic, write_json_atomic, write_parquet_atomic)
+from eagle_assets.storage.shards import (
+    clear_shards,
+    next_shard_path,
+    read_done_ids,
+    shard_paths,
+    shard_row_count,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_parquet_atomic,
+)
 
 GENERATION_SCHEMA = pa.schema(
     [
@@ -201,9 +209,9 @@ def run_generation(
     """Generate every prompt not yet in ``out_dir``'s shards; append new shards; rewrite ``failures.parquet``.
 
     Args:
-        prompts: (sample_id, prompt_ids) pairs, or a ``tokenized_prompts.prompts_file.PromptsFile`` (read one record batch at a time,
-            so the partition's prompt ids are never all in memory); ids are ints of the target vocab; a repeated
-            sample id is sent once (its first row).
+        prompts: (sample_id, prompt_ids) pairs, or a ``tokenized_prompts.prompts_file.PromptsFile`` (read one
+            record batch at a time, so the partition's prompt ids are never all in memory); ids are ints of the
+            target vocab; a repeated sample id is sent once (its first row).
         out_dir: the partition's generations directory (created if missing).
         client: an ``eagle_assets.serving.client.GenerateClient`` (or anything with the same ``generate_many``).
         sampling: ``SamplingParams`` with an explicit ``max_new_tokens``.
@@ -403,45 +411,67 @@ def _seed_monitor(monitor, out_dir: Path, wanted: set[str]) -> None:
     monitor.seed(rows())
 
 
-def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows, flush_seconds, progress,
-                progress_every_s, monitor=None, alarm=None, control_ids: frozenset[int] | None = None,
-                well_formed: Callable[..., bool] | None = None) -> GenerationStats:
+def _first_rows(prompts) -> tuple[dict[str, int], Callable[[], Iterator[tuple[str, Sequence[int]]]]]:
+    """(sample id -> index of its first row, a function returning a fresh iterator over the (sample_id, prompt_ids)
+    rows) of ``prompts``: a ``PromptsFile``, a sequence, or any other iterable (then read into a list)."""
     from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
-    from eagle_assets.serving.client import run_sync
 
-    done = read_done_ids(out_dir)
     # Prompts stream from their file (a PromptsFile: one record batch at a time) or from the sequence given; only
     # sample ids are held for the whole partition. A repeated sample id is sent once (its first row).
     if isinstance(prompts, PromptsFile):
-        first, source = prompts.index, prompts.iter_prompts
-    else:
-        prompts = prompts if isinstance(prompts, Sequence) else list(prompts)
-        first = {}
-        for i, (sid, _) in enumerate(prompts):
-            first.setdefault(sid, i)
-        source = lambda: iter(prompts)  # noqa: E731
-    seen = first.keys()
-    requested = sum(1 for sid in first if sid not in done)
+        return prompts.index, prompts.iter_prompts
+    prompts = prompts if isinstance(prompts, Sequence) else list(prompts)
+    first: dict[str, int] = {}
+    for i, (sid, _) in enumerate(prompts):
+        first.setdefault(sid, i)
+    return first, lambda: iter(prompts)
 
-    def todo() -> Iterator[tuple[str, list[int]]]:
-        for i, (sid, ids) in enumerate(source()):
+
+class _LockedRun:
+    """The state of one ``run_generation`` call while it holds the partition lock: the prompts to send, the rows not
+    yet in a shard (``buffer``), this run's failures, the stats and the live-stats writer. ``on_result``,
+    ``pending`` and the timer of ``generate`` all run on the event loop's thread; ``finish`` runs whatever happened.
+    """
+
+    def __init__(self, prompts, out_dir: Path, sampling, flush_rows: int, flush_seconds: float,
+                 progress: Callable[[str], None] | None, progress_every_s: float, monitor=None,
+                 alarm: Callable[[str], None] | None = None):
+        self.out_dir, self.sampling = out_dir, sampling
+        self.flush_rows, self.flush_seconds = flush_rows, flush_seconds
+        self.progress, self.progress_every_s = progress, progress_every_s
+        self.monitor, self.alarm = monitor, alarm
+        self.done = read_done_ids(out_dir)
+        self.first, self._source = _first_rows(prompts)
+        self.seen = self.first.keys()
+        self.requested = sum(1 for sid in self.first if sid not in self.done)
+        self.stats = GenerationStats(prompts=len(self.first), requested=self.requested,
+                                     skipped_done=len(self.first) - self.requested)
+        self.old_failures = [f for f in _read_failures(out_dir / FAILURES_FILE) if f["sample_id"] not in self.done]
+        self.new_failures: dict[str, dict] = {}
+        self.buffer: list[dict] = []
+        self.sampling_json = json.dumps(sampling.to_json() if hasattr(sampling, "to_json") else dict(sampling),
+                                        sort_keys=True)
+        self.started = time.monotonic()
+        self.last_flush = self.started
+        self.sent = 0  # prompts handed to the client
+        if monitor is not None:
+            _seed_monitor(monitor, out_dir, self.seen)
+        self.live_writer = _LatestJsonWriter(out_dir / LIVE_STATS_FILE)
+
+    def _todo(self) -> Iterator[tuple[str, list[int]]]:
+        """(sample_id, prompt_ids) of every first row of a sample id that has no row in a shard, in prompt order."""
+        first, done = self.first, self.done
+        for i, (sid, ids) in enumerate(self._source()):
             if first.get(sid) == i and sid not in done:
                 yield sid, list(ids)
 
-    stats = GenerationStats(prompts=len(first), requested=requested, skipped_done=len(first) - requested)
-    old_failures = [f for f in _read_failures(out_dir / FAILURES_FILE) if f["sample_id"] not in done]
-    new_failures: dict[str, dict] = {}
-    buffer: list[dict] = []
-    sampling_json = json.dumps(sampling.to_json() if hasattr(sampling, "to_json") else dict(sampling), sort_keys=True)
-    started = time.monotonic()
-    last_flush = started
-    sent = 0  # prompts handed to the client
-    if monitor is not None:
-        _seed_monitor(monitor, out_dir, seen)
-
-    def write_live(final: bool = False) -> None:
-        if monitor is None or not (final or live_writer.wants()):
+    def write_live(self, final: bool = False) -> None:
+        """Hand the monitor's snapshot (plus ``updated_at``, ``final``, ``generation``) to the live-stats writer,
+        unless one still waits; ``final``: close the writer and write it here. Nothing without a monitor."""
+        monitor = self.monitor
+        if monitor is None or not (final or self.live_writer.wants()):
             return
+        stats = self.stats
         snap = monitor.snapshot()
         snap.update(
             updated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -450,46 +480,52 @@ def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows
                         "not_sent": stats.not_sent if final else None},
         )
         if final:  # the last figures: written here and now, after every earlier snapshot
-            live_writer.close()
-            write_json_atomic(snap, out_dir / LIVE_STATS_FILE)
+            self.live_writer.close()
+            write_json_atomic(snap, self.out_dir / LIVE_STATS_FILE)
         else:
-            live_writer.put(snap)
+            self.live_writer.put(snap)
 
-    def live_report(final: bool = False) -> None:
+    def live_report(self, final: bool = False) -> None:
+        """Evaluate the monitor, write ``live_stats.json``, and pass its new alarms (and a stop) to ``alarm``."""
+        monitor, alarm = self.monitor, self.alarm
         # the final evaluation covers the last rows but decides nothing: every prompt has been sent by then
         evaluation = monitor.evaluate(final=final)
-        write_live(final)
+        self.write_live(final)
         if evaluation is None:
             return
         for a in evaluation.new_alarms:
             if alarm is not None:
-                alarm(f"live quality of {monitor.partition or out_dir.name}: {a.message()}")
+                alarm(f"live quality of {monitor.partition or self.out_dir.name}: {a.message()}")
         if evaluation.stop is not None and alarm is not None:
-            alarm(f"stopping generation of {monitor.partition or out_dir.name} after {monitor.rows} rows: "
+            alarm(f"stopping generation of {monitor.partition or self.out_dir.name} after {monitor.rows} rows: "
                   f"{evaluation.stop.message()}. No new request is sent; the requests in flight finish and are kept")
 
-    def pending() -> Iterator[tuple[str, list[int]]]:
+    def pending(self) -> Iterator[tuple[str, list[int]]]:
+        """The prompts to send, counted in ``sent`` as the client takes them; ends once the monitor stops the run."""
         # the client pulls items lazily, one per free worker: ending this iterator is how a stop takes effect
-        nonlocal sent
-        for item in todo():
+        monitor = self.monitor
+        for item in self._todo():
             if monitor is not None and monitor.stop is not None:
                 return
-            sent += 1
+            self.sent += 1
             yield item
 
-    def flush() -> None:
-        nonlocal buffer, last_flush
-        if buffer:
-            rows, buffer = buffer, []
-            write_parquet_atomic(_generation_table(rows), next_shard_path(out_dir), use_dictionary=_SHARD_DICTIONARY)
-            stats.shards_written += 1
-        last_flush = time.monotonic()
+    def flush(self) -> None:
+        """Write the buffered rows (if any) to a new shard and restart the flush clock."""
+        if self.buffer:
+            rows, self.buffer = self.buffer, []
+            write_parquet_atomic(_generation_table(rows), next_shard_path(self.out_dir),
+                                 use_dictionary=_SHARD_DICTIONARY)
+            self.stats.shards_written += 1
+        self.last_flush = time.monotonic()
 
-    def report(final: bool = False) -> None:
+    def report(self, final: bool = False) -> None:
+        """Pass one progress line (done / requested, failures, retries, req/s, output tokens/s, ETA) to ``progress``."""
+        progress, stats = self.progress, self.stats
         if progress is None:
             return
         finished = stats.succeeded + stats.failed
-        elapsed = max(time.monotonic() - started, 1e-9)
+        elapsed = max(time.monotonic() - self.started, 1e-9)
         rate = finished / elapsed
         head = "generation finished" if final else "generated"
         eta = ""
@@ -501,7 +537,10 @@ def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows
             f"output tokens/s{eta})"
         )
 
-    def on_result(rid: str, result) -> None:
+    def on_result(self, rid: str, result) -> None:
+        """Take one client result: a reply becomes a buffered row (and a monitor observation), anything else a
+        failure row; flush once ``flush_rows`` rows wait."""
+        stats, monitor = self.stats, self.monitor
         attempts = int(getattr(result, "attempts", 1) or 0)
         stats.retried += max(0, attempts - 1)
         if hasattr(result, "output_ids"):
@@ -510,7 +549,7 @@ def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows
             # converted once (~25 us per 1,000 ids): the shard (_generation_table) and the live monitor's flat
             # arrays (segment_batch.segment_rows) both take this array as it is
             output_ids = np.array(result.output_ids, dtype=np.int32)
-            buffer.append(
+            self.buffer.append(
                 {
                     "sample_id": rid,
                     "output_ids": output_ids,
@@ -520,85 +559,108 @@ def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows
                     "prompt_tokens": result.prompt_tokens,
                     "latency_s": latency,
                     "attempts": attempts,
-                    "sampling_params": sampling_json,
+                    "sampling_params": self.sampling_json,
                 }
             )
             stats.succeeded += 1
             stats.finish_reasons[fr.type] += 1
             stats.output_tokens += len(output_ids)
             stats.latencies_s.append(latency)
-            new_failures.pop(rid, None)
+            self.new_failures.pop(rid, None)
             if monitor is not None:
-                monitor.observe(buffer[-1])
+                monitor.observe(self.buffer[-1])
                 if monitor.report_due():
-                    live_report()
+                    self.live_report()
         else:
             stats.failed += 1
             stats.failure_kinds[result.kind] += 1
-            new_failures[rid] = {
+            self.new_failures[rid] = {
                 "sample_id": rid,
                 "kind": result.kind,
                 "attempts": attempts,
                 "last_error": str(result.last_error)[:2000],
             }
-        if len(buffer) >= flush_rows:
-            flush()
+        if len(self.buffer) >= self.flush_rows:
+            self.flush()
 
-    async def generate() -> None:
-        async def timer() -> None:
-            # flushes a partial buffer and reports progress even while no reply arrives (long generations)
-            periods = [flush_seconds, progress_every_s] + ([monitor.live.log_every_s] if monitor is not None else [])
-            tick = max(0.05, min(periods) / 4)
-            last_report = last_live_log = time.monotonic()
-            logged_rows = monitor.rows if monitor is not None else 0
-            while True:
-                await asyncio.sleep(tick)
-                now = time.monotonic()
-                if buffer and now - last_flush >= flush_seconds:
-                    flush()
-                if now - last_report >= progress_every_s:
-                    last_report = now
-                    report()
-                if (monitor is not None and progress is not None and monitor.rows != logged_rows
-                        and now - last_live_log >= monitor.live.log_every_s):
-                    last_live_log, logged_rows = now, monitor.rows
-                    progress(monitor.log_line())
+    async def _timer(self) -> None:
+        """Every quarter of the shortest period (at least 50 ms; runs until cancelled): flush a buffer older than
+        ``flush_seconds``, report progress every ``progress_every_s`` s, log the monitor's line every
+        ``live.log_every_s`` s when it has new rows."""
+        # flushes a partial buffer and reports progress even while no reply arrives (long generations)
+        monitor, progress = self.monitor, self.progress
+        periods = [self.flush_seconds, self.progress_every_s] + ([monitor.live.log_every_s] if monitor is not None
+                                                                 else [])
+        tick = max(0.05, min(periods) / 4)
+        last_report = last_live_log = time.monotonic()
+        logged_rows = monitor.rows if monitor is not None else 0
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            if self.buffer and now - self.last_flush >= self.flush_seconds:
+                self.flush()
+            if now - last_report >= self.progress_every_s:
+                last_report = now
+                self.report()
+            if (monitor is not None and progress is not None and monitor.rows != logged_rows
+                    and now - last_live_log >= monitor.live.log_every_s):
+                last_live_log, logged_rows = now, monitor.rows
+                progress(monitor.log_line())
 
-        ticker = asyncio.ensure_future(timer())
+    async def generate(self, client, vocab_size: int | None, control_ids: frozenset[int] | None,
+                       well_formed: Callable[..., bool] | None) -> None:
+        """Send ``pending()`` through ``client.generate_many`` (each result to ``on_result``) with the timer running."""
+        ticker = asyncio.ensure_future(self._timer())
         try:
             # a client without the echo evidence (any object with the same generate_many) still works: only the
             # evidence given is passed
             evidence = {k: v for k, v in (("control_ids", control_ids), ("well_formed", well_formed))
                         if v is not None}
-            await client.generate_many(pending(), sampling, vocab_size=vocab_size, on_result=on_result, **evidence)
+            await client.generate_many(self.pending(), self.sampling, vocab_size=vocab_size,
+                                       on_result=self.on_result, **evidence)
         finally:
             ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ticker
 
-    live_writer = _LatestJsonWriter(out_dir / LIVE_STATS_FILE)
-    write_live()
-    try:
-        if requested:
-            with _young_gc_threshold():
-                run_sync(generate())
-    finally:
-        flush()
-        stats.wall_s = time.monotonic() - started
+    def finish(self) -> None:
+        """Flush the buffer, complete the stats, rewrite ``failures.parquet`` (ids of ``prompts`` still without a
+        row) and write the final live figures; stops the live-stats writer whatever happens."""
+        stats, monitor, out_dir = self.stats, self.monitor, self.out_dir
+        self.flush()
+        stats.wall_s = time.monotonic() - self.started
         if monitor is not None and monitor.stop is not None:
             stats.stopped_early, stats.stop_reason = True, monitor.stop.message()
-        stats.not_sent = requested - sent
+        stats.not_sent = self.requested - self.sent
         done_now = read_done_ids(out_dir)
-        merged = {f["sample_id"]: f for f in old_failures if f["sample_id"] in seen and f["sample_id"] not in done_now}
-        merged.update({k: v for k, v in new_failures.items() if k not in done_now})
+        merged = {f["sample_id"]: f for f in self.old_failures
+                  if f["sample_id"] in self.seen and f["sample_id"] not in done_now}
+        merged.update({k: v for k, v in self.new_failures.items() if k not in done_now})
         write_parquet_atomic(pa.Table.from_pylist(list(merged.values()), schema=FAILURE_SCHEMA),
                              out_dir / FAILURES_FILE)
         try:
             if monitor is not None:
-                live_report(final=True)  # closes the writer, then writes the final figures
+                self.live_report(final=True)  # closes the writer, then writes the final figures
         finally:
-            live_writer.close()  # idempotent; stops the writer thread whatever happened above
-    report(final=True)
+            self.live_writer.close()  # idempotent; stops the writer thread whatever happened above
+
+
+def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows, flush_seconds, progress,
+                progress_every_s, monitor=None, alarm=None, control_ids: frozenset[int] | None = None,
+                well_formed: Callable[..., bool] | None = None) -> GenerationStats:
+    """``run_generation`` once it holds the partition lock (arguments, files and errors as documented there): send
+    the prompts not yet in a shard, then flush, record failures and final live figures, and report the totals."""
+    from eagle_assets.serving.client import run_sync
+
+    run = _LockedRun(prompts, out_dir, sampling, flush_rows, flush_seconds, progress, progress_every_s, monitor, alarm)
+    run.write_live()
+    try:
+        if run.requested:
+            with _young_gc_threshold():
+                run_sync(run.generate(client, vocab_size, control_ids, well_formed))
+    finally:
+        run.finish()
+    run.report(final=True)
     if monitor is not None and progress is not None:
         progress(monitor.log_line())
-    return stats
+    return run.stats

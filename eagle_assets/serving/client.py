@@ -415,7 +415,7 @@ class GenerateClient:
                         on_result: Callable[[str, Any], Any]) -> ClientStats:
         """POST prepared ``/generate`` bodies with this client's servers, retries and backoff (the module
         docstring's rules), for requests other than plain generation (e.g. aux-hidden-state capture:
-        ``eagle_assets.drafter.served_features``).
+        ``eagle_assets.drafter.features.served_client``).
 
         Args:
             items: ``(rid, body)`` pairs, ``body`` the JSON request as bytes; consumed lazily.

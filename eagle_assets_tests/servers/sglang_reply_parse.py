@@ -3,8 +3,9 @@
     <sglang venv>/bin/python eagle_assets_tests/servers/sglang_reply_parse.py < cases.jsonl > parses.jsonl
 
 Input: one JSON list of cases per line (each answered with one line, flushed, so one process serves a whole test
-session: importing SGLang takes ~10 s); a case is ``{"reasoning_parser", "tool_call_parser", "force_reasoning": bool, "text": str,
-"tools": [{"type": "function", "function": {...}}], "history_tool_calls": int}``; output: one JSON object per case,
+session: importing SGLang takes ~10 s); a case is ``{"reasoning_parser", "tool_call_parser", "force_reasoning": bool,
+"text": str, "tools": [{"type": "function", "function": {...}}], "history_tool_calls": int}``; output: one JSON object
+per case,
 ``{"reasoning_content", "content", "tool_calls": [{"id", "name", "arguments"}] | null}``, built the way
 ``OpenAIServingChat._build_chat_response`` builds the non-streaming message: ``ReasoningParser.parse_non_stream``,
 then ``OpenAIServingChat._process_tool_calls`` (called on a stand-in ``self`` that carries only the attributes it

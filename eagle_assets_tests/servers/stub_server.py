@@ -25,7 +25,8 @@ SGLang incremental-detokenization bug), ``echo_counted`` (the prompt's last ``SG
 agree), ``tail_like`` (not a fault: a good reply whose first 2 ids equal the prompt's last 2 ids, counted; a reply
 the client must keep unless those ids are chat-template structure), ``oov`` (an id outside the vocab), ``drop``
 (close the connection without an answer), ``reset`` (TCP RST: ``SO_LINGER`` 0 then close), ``hang`` (answer after
-``hang_s``, past a client timeout), ``echo_auth`` (HTTP 500 whose body quotes the request's ``Authorization`` header, as careless proxies do).
+``hang_s``, past a client timeout), ``echo_auth`` (HTTP 500 whose body quotes the request's ``Authorization`` header,
+as careless proxies do).
 
 CLI (benchmarks; prints ``EAGLE_ASSETS_SERVER_READY http://HOST:PORT`` once it serves):
 ``python -m eagle_assets_tests.servers.stub_server [--port 0] [--latency-ms 0] [--output-tokens N] [--vocab-size V]

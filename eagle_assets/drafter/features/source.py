@@ -1,14 +1,14 @@
 """Where the drafter trainer's target features come from: the catalog's ``training.features`` switch.
 
 - ``local`` (:class:`LocalFeatures`, the default): the target is loaded with transformers in the trainer's process;
-  :class:`~eagle_assets.drafter.feature_cache.FeatureCache` runs it for the aux hidden states and final hidden
+  :class:`~eagle_assets.drafter.features.local_cache.FeatureCache` runs it for the aux hidden states and final hidden
   states, and the teacher is the softmax of the target's lm_head rows of the draft vocab
   (:func:`~eagle_assets.drafter.ttt_loss.supervision`).
 - ``served`` (:class:`ServedFeatures`): no target weights in this process except the input embedding (the drafter's
   frozen embedding, read from the safetensors shard that holds it) and ``config.json``. Each training and
   validation row's aux hidden states and teacher come from an SGLang server in aux-capture mode
-  (:class:`~eagle_assets.drafter.served_features.ServedFeatureSource` +
-  :class:`~eagle_assets.drafter.served_feature_cache.ServedFeatureCache`); the learning curve's simulated acceptance
+  (:class:`~eagle_assets.drafter.features.served_client.ServedFeatureSource` +
+  :class:`~eagle_assets.drafter.features.served_cache.ServedFeatureCache`); the learning curve's simulated acceptance
   reads the target's greedy ids from the same replies and asks the server for the exact re-runs (one
   ``max_new_tokens: 1`` request each). The ``acceptance_length`` check and the unseen-source rows use the same
   server (:meth:`ServedFeatures.acceptance_rows`, :class:`ServedAcceptanceFeatures`,
@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from eagle_assets.drafter.feature_cache import FeatureCache, PreparedRow
-from eagle_assets.drafter.features import decoder_parts
+from eagle_assets.drafter.features.local_cache import FeatureCache, PreparedRow
+from eagle_assets.drafter.features.local_capture import decoder_parts
 from eagle_assets.drafter.ttt_loss import supervision
 from eagle_assets.drafter.vocab import DraftVocab
 
@@ -126,7 +126,7 @@ class _Elsewhere:
 
 class _OwnedRows:
     """A data-parallel rank's view of the kept training rows: ``get(batch)`` for the rows it owns (indices into
-    the kept rows), read from the :class:`~eagle_assets.drafter.served_feature_cache.ServedFeatureCache` of the round
+    the kept rows), read from the :class:`~eagle_assets.drafter.features.served_cache.ServedFeatureCache` of the round
     that fetched each (one ``get`` per cache a batch touches)."""
 
     cache = None
@@ -216,7 +216,7 @@ class ServedFeatures:
         self.draft_index: torch.Tensor | None = None
 
     def _source(self, capture: list[int]):
-        from eagle_assets.drafter.served_features import ServedFeatureSource
+        from eagle_assets.drafter.features.served_client import ServedFeatureSource
 
         if self.source is None:
             self.source = ServedFeatureSource(self.model_dir, self.spec, capture_ids=capture,
@@ -232,7 +232,7 @@ class ServedFeatures:
         In a data-parallel run (``parallel.world > 1``; every rank calls this with the same rows) each rank fetches
         only the rows it trains on (:meth:`_admit_parallel`) and only rank 0, which scores them, the validation rows;
         the ranks agree on the refused rows, so every rank keeps the same rows and builds the same batches."""
-        from eagle_assets.drafter.served_feature_cache import ServedFeatureCache
+        from eagle_assets.drafter.features.served_cache import ServedFeatureCache
 
         if not rows:
             return rows
@@ -255,7 +255,7 @@ class ServedFeatures:
 
     def _fetch(self, rows: list[PreparedRow], indices: list[int], capture: list[int], vocab: DraftVocab):
         """``(ServedFeatureCache of rows[indices], {index into rows: reason} of the refused ones)``."""
-        from eagle_assets.drafter.served_feature_cache import ServedFeatureCache
+        from eagle_assets.drafter.features.served_cache import ServedFeatureCache
 
         cache = ServedFeatureCache([rows[i] for i in indices], self._source(capture), self.spec.cache,
                                    vocab.draft_token_ids, vocab.target_vocab_size, cache_dir=self.spec.cache_dir)
@@ -274,7 +274,7 @@ class ServedFeatures:
         fetched once, by its owner; each refusal can move rows to another rank, which then fetches them too (a
         request more per moved row). Validation rows: rank 0 fetches them all and sends the refused ones.
         """
-        from eagle_assets.drafter.feature_cache import make_batches
+        from eagle_assets.drafter.features.local_cache import make_batches
 
         refused: dict[int, str] = {}
         if split != "train":
@@ -307,7 +307,7 @@ class ServedFeatures:
             self.log(f"served features: {fetched} of {len(rows)} {split} rows fetched over {parallel.world} ranks, "
                      "each by the rank that trains on it")
         if self.draft_index is None:
-            from eagle_assets.drafter.served_feature_cache import target_to_draft_index
+            from eagle_assets.drafter.features.served_cache import target_to_draft_index
 
             self.draft_index = target_to_draft_index(vocab.draft_token_ids, vocab.target_vocab_size)
         for why in refused.values():
@@ -336,9 +336,9 @@ class ServedFeatures:
 
     def supervision(self, teachers: Sequence[np.ndarray], feats: Sequence, in_draft: torch.Tensor,
                     _teacher_w: Any = None, _teacher_b: Any = None):
-        """``ttt_loss.supervision`` from served teachers (:func:`~eagle_assets.drafter.served_features.
+        """``ttt_loss.supervision`` from served teachers (:func:`~eagle_assets.drafter.features.served_cache.
         served_supervision`)."""
-        from eagle_assets.drafter.served_feature_cache import served_supervision
+        from eagle_assets.drafter.features.served_cache import served_supervision
 
         return served_supervision(teachers, [f[1] for f in feats], in_draft, self.draft_index)
 
@@ -424,7 +424,7 @@ class ServedAcceptanceFeatures:
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, np.ndarray] | None:
         from eagle_assets.drafter.acceptance import walkable
-        from eagle_assets.drafter.served_features import RefusedRow
+        from eagle_assets.drafter.features.served_client import RefusedRow
 
         if index not in self:
             raise KeyError(index)

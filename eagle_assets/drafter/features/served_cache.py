@@ -1,7 +1,8 @@
 """Served features as the trainer uses them: :func:`served_features` (streamed, or kept in verified shards by
-:class:`ShardedFeatures`), the :class:`ServedFeatureCache` (shaped like ``feature_cache.FeatureCache``) and the
+:class:`ShardedFeatures`), the :class:`ServedFeatureCache` (shaped like ``local_cache.FeatureCache``) and the
 batch :class:`~eagle_assets.drafter.ttt_loss.Supervision` built from served teachers (:func:`served_supervision`).
-Fetching one row and parsing its reply (the shape and finite checks) is :mod:`eagle_assets.drafter.served_features`."""
+Fetching one row and parsing its reply (the shape and finite checks) is
+:mod:`eagle_assets.drafter.features.served_client`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from eagle_assets.drafter.feature_shards import (
+from eagle_assets.drafter.features.served_client import RefusedRow, Row, ServedFeatureSource, row_arrays
+from eagle_assets.drafter.features.shard_format import (
     FeatureShardError,
     RowFeatures,
     ShardIndex,
@@ -22,7 +24,6 @@ from eagle_assets.drafter.feature_shards import (
     verify_shard,
     write_shard,
 )
-from eagle_assets.drafter.served_features import RefusedRow, Row, ServedFeatureSource, row_arrays
 from eagle_assets.drafter.ttt_loss import Supervision
 
 
@@ -73,8 +74,9 @@ def served_features(
 class ShardedFeatures:
     """A directory of verified feature shards for one :class:`ServedFeatureSource` (see :func:`served_features`).
 
-    A shard's file name is derived from the spec and the rows' :func:`~eagle_assets.drafter.feature_shards.row_key`
-    values, so a rerun over the same rows reuses it and any change of rows or spec fetches anew.
+    A shard's file name is derived from the spec and the rows'
+    :func:`~eagle_assets.drafter.features.shard_format.row_key` values, so a rerun over the same rows reuses it and
+    any change of rows or spec fetches anew.
     """
 
     def __init__(self, cache_dir: str | Path, source: ServedFeatureSource):
@@ -190,7 +192,7 @@ def served_supervision(teachers: Sequence[np.ndarray], feats: Sequence[RowFeatur
 
 
 class ServedFeatureCache:
-    """The trainer's view of served features, shaped like ``feature_cache.FeatureCache``: ``get(batch)`` gives per
+    """The trainer's view of served features, shaped like ``local_cache.FeatureCache``: ``get(batch)`` gives per
     row ``(aux [T, W], RowFeatures, greedy [N])`` and :meth:`supervision` replaces ``ttt_loss.supervision``.
 
     Args:

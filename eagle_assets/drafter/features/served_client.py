@@ -21,13 +21,13 @@ mirrored by :mod:`eagle_assets.serving.server`): one ``POST /generate`` per row 
 Teachers (catalog ``training.features.teacher``): ``hard``: the row's own next token at every teacher position
 (exact for the target's own greedy generations; the server's top-1 is asked for anyway and the share of positions
 where it differs is reported as ``hard_label_disagreement``); ``topk``: the target's top-K logprobs there,
-renormalized over the draft vocab by :func:`~eagle_assets.drafter.served_feature_cache.served_supervision`. With
+renormalized over the draft vocab by :func:`~eagle_assets.drafter.features.served_cache.served_supervision`. With
 ``K`` at least the vocab size this is exactly the local teacher (the target softmax restricted to the draft vocab).
 
 Sizes (why this is built for bounded memory): a reply carries ``T * W`` floats as JSON text, 10-20 bytes each
 (about 11 for bfloat16 values, 19-21 for float32/float64 ones), against 2 bytes per value in a bfloat16 shard. Rows
 are fetched ``concurrency`` per server at a time, parsed with orjson straight into float32 arrays, and written shard
-by shard (:mod:`eagle_assets.drafter.feature_shards`); docs/served_features.md has the worked Kimi-K2.5 numbers.
+by shard (:mod:`eagle_assets.drafter.features.shard_format`); docs/served_features.md has the worked Kimi-K2.5 numbers.
 
 Transport: the serving client (:meth:`eagle_assets.serving.client.GenerateClient.post_many`) sends the requests, so
 HTTP, retries, backoff, server choice and API-key redaction have one implementation: connection errors, timeouts,
@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from eagle_assets.catalog import FeaturesSpec as ServedFeaturesSpec
-from eagle_assets.drafter.feature_shards import (
+from eagle_assets.drafter.features.shard_format import (
     FeatureSpec,
     RowFeatures,
 )
@@ -68,7 +68,7 @@ from eagle_assets.serving.aux_capture import (
 from eagle_assets.serving.client import GenerateClient, normalize_url, run_sync
 from eagle_assets.serving.protocol import GenerateFailure, GenerateRequest, ReplyError, SamplingParams
 
-Row = Any  # (input_ids, loss_mask) pair, or an object with .ids and .mask (feature_cache.PreparedRow)
+Row = Any  # (input_ids, loss_mask) pair, or an object with .ids and .mask (local_cache.PreparedRow)
 
 
 class ServedFeaturesError(RuntimeError):
@@ -378,7 +378,8 @@ class ServedFeatureSource:
                            "input_top_logprobs entries are not [[logprob, token_id, text], ..]") from None
         if (lp_all.shape[1] != k or np.isnan(lp_all).any() or (ids_all < 0).any()
                 or (ids_all >= self.vocab_size).any()):
-            raise ReplyRefused("bad_logprobs", f"input_top_logprobs entries hold {lp_all.shape[1]} of {k} usable values")
+            raise ReplyRefused("bad_logprobs",
+                               f"input_top_logprobs entries hold {lp_all.shape[1]} of {k} usable values")
         target_greedy = np.empty(t, dtype=np.int64)
         target_greedy[:-1] = ids_all[np.arange(t - 1), lp_all.argmax(axis=1)]
         target_greedy[-1] = out_ids[0]  # temperature 0: the sampled token is the last position's greedy id
