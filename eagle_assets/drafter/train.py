@@ -56,6 +56,7 @@ from eagle_assets.drafter.train_state import (
 )
 from eagle_assets.drafter.ttt_loss import drafter_rows, teacher_positions, ttt_loss
 from eagle_assets.drafter.vocab import DraftVocab
+from eagle_assets.target_model.config import optional_json_config
 
 Row = tuple[np.ndarray, np.ndarray]
 
@@ -600,11 +601,7 @@ class _Run:
 
 def _stored_dtype(target_dir: str | Path | nn.Module, tconf: Any) -> str:
     """The dtype the target's weights are stored in (its config.json), which SGLang will serve it in."""
-    raw: dict[str, Any] = {}
-    if not isinstance(target_dir, nn.Module):
-        path = Path(target_dir) / "config.json"
-        if path.is_file():
-            raw = json.loads(path.read_text())
+    raw = {} if isinstance(target_dir, nn.Module) else optional_json_config(target_dir)
     name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     return name if name in ("float32", "bfloat16", "float16") else "float32"
 

@@ -39,7 +39,6 @@ refuses hidden states raise :class:`ServedFeaturesError` (no row could succeed).
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -67,6 +66,7 @@ from eagle_assets.serving.aux_capture import (
 )
 from eagle_assets.serving.client import GenerateClient, normalize_url, run_sync
 from eagle_assets.serving.protocol import GenerateFailure, GenerateRequest, ReplyError, SamplingParams
+from eagle_assets.target_model.config import ModelConfigError, read_json_config
 
 Row = Any  # (input_ids, loss_mask) pair, or an object with .ids and .mask (local_cache.PreparedRow)
 
@@ -127,11 +127,10 @@ def row_arrays(row: Row) -> tuple[np.ndarray, np.ndarray]:
 
 def _load_config(target: Any) -> Any:
     if isinstance(target, (str, Path)):
-        path = Path(target) / "config.json"
         try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ServedFeaturesError(f"cannot read the target config {path}: {exc}") from None
+            return read_json_config(target)
+        except (OSError, ModelConfigError) as exc:
+            raise ServedFeaturesError(f"cannot read the target config {Path(target) / 'config.json'}: {exc}") from None
     return target
 
 

@@ -26,7 +26,6 @@ target vocab, the served teacher is the local one and the trainer ends with the 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -38,6 +37,7 @@ from eagle_assets.drafter.features.local_cache import FeatureCache, PreparedRow
 from eagle_assets.drafter.features.local_capture import decoder_parts
 from eagle_assets.drafter.ttt_loss import supervision
 from eagle_assets.drafter.vocab import DraftVocab
+from eagle_assets.target_model.config import read_json_config
 
 
 def feature_source(target_dir: Any, features: Any, load_target: Callable[[Any], nn.Module],
@@ -172,7 +172,7 @@ def target_text_config(model_dir: Path) -> Any:
     """
     from transformers import AutoConfig, PretrainedConfig
 
-    raw = json.loads((model_dir / "config.json").read_text())
+    raw = read_json_config(model_dir)
     text = raw.get("text_config") or raw
     try:
         config = AutoConfig.for_model(**text) if "model_type" in text else PretrainedConfig(**text)
@@ -461,7 +461,7 @@ def resolve_features(spec: Any, model_dir: Path, default_cache_dir: Path, captur
         return spec
     update: dict[str, Any] = {}
     if not spec.urls:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
+        config = read_json_config(model_dir)
         update["url"] = list(server_urls(AuxCapture.for_target(config, capture_ids, max_row_tokens)))
         if spec.api_key_env is None and server_api_key_env:
             update["api_key_env"] = server_api_key_env
