@@ -161,16 +161,16 @@ def _partition_definitions(defs, catalog_path: Path, catalog, prelaunch: bool = 
     each run starting and stopping its own. The server is stopped on exit, before the training job, which on a GPU
     host needs the memory (and launches its own in aux-capture mode when ``training.features`` is served).
     ``prelaunch``: start launching it at once, in a background thread, instead of at the first generations step."""
-    from eagle_assets.definitions import build_definitions
     from eagle_assets.assets.k8s import executor_kind
     from eagle_assets.assets.server_resource import SGLangServerResource, shared_launcher
+    from eagle_assets.definitions import build_definitions
 
     server = catalog.server
     if server.urls or executor_kind(None) != "in_process":
         yield defs
         return
-    with shared_launcher(launch=server.launch, api_key_env=server.api_key_env,
-                         extra_args=list(server.extra_args)) as key:
+    with shared_launcher(launch=server.launch, api_key_env=server.api_key_env, extra_args=list(server.extra_args),
+                         device=server.device, python=server.python) as key:
         shared = SGLangServerResource(launch=server.launch, api_key_env=server.api_key_env,
                                       extra_args=list(server.extra_args), shared=key)
         if prelaunch:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from eagle_assets.assets.automation import asset_conditions
+from eagle_assets.assets.automation import asset_conditions, build_automation_sensor
 from eagle_assets.assets.exports import build_export_assets
 from eagle_assets.assets.generation import build_generation_assets
 from eagle_assets.assets.inputs import (
@@ -35,16 +35,15 @@ from eagle_assets.assets.inputs import (
     build_input_assets,
     with_inputs_and_versions,
 )
+from eagle_assets.assets.k8s import build_executor
 from eagle_assets.assets.prompts import build_prompt_assets
 from eagle_assets.assets.qc import build_dataset_assets, build_qc_assets
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.schedules import build_schedules
-from eagle_assets.assets.automation import build_automation_sensor
 from eagle_assets.assets.sensors import build_inputs_sensor
+from eagle_assets.assets.server_resource import SGLangServerResource
 from eagle_assets.assets.training import build_training_assets
 from eagle_assets.catalog import CatalogError, default_catalog_path, load_catalog
-from eagle_assets.assets.k8s import build_executor
-from eagle_assets.assets.server_resource import SGLangServerResource
 from eagle_assets.storage.shards import default_storage_root
 
 PARTITION_JOB = "partition_job"
@@ -121,7 +120,7 @@ def build_definitions(
     if sglang is None:
         sglang = SGLangServerResource(
             urls=list(server.urls), launch=server.launch, api_key_env=server.api_key_env,
-            extra_args=list(server.extra_args),
+            extra_args=list(server.extra_args), device=server.device, python=server.python,
         )
     # The checkpoint's provenance walks this Definitions' whole graph (``assets.provenance``): the lambda above is
     # called at run time, after ``defs`` is bound.

@@ -30,11 +30,10 @@ SCRIPT = HERE / "servers" / "sglang_reply_parse.py"
 def sglang_python() -> Path | None:
     """The Python of an SGLang 0.5.23 venv on this machine, or None."""
     given = os.environ.get("EAGLE_ASSETS_SGLANG_PYTHON")
-    default = HERE.parent / ".eagle_assets" / "sglang-cpu-venv" / "bin" / "python"
-    for candidate in ([Path(given)] if given else []) + [default]:
-        if candidate.is_file():
-            return candidate
-    return None
+    if given and Path(given).is_file():
+        return Path(given)
+    venv = HERE.parent / ".eagle_assets" / "sglang-cpu-venv"
+    return venv / "bin" / "python" if (venv / ".complete").is_file() else None  # written when its build finished
 
 
 def _key(case: dict) -> str:

@@ -37,9 +37,11 @@ def _error(tmp_path: Path, text: str) -> CatalogError:
 def test_default_catalog():
     cat = load_catalog(REPO / "catalogs" / "default.yaml")
     assert cat.partition_keys == ["B1_glaive", "B2_opencodeinstruct", "B4_mixturethoughts", "B5_openthoughts"]
-    assert cat.target.model == "demo" and cat.target.is_demo and cat.server.urls == [] and cat.server.launch == "embedded"
+    assert cat.target.model == "demo" and cat.target.is_demo
+    assert cat.server.urls == [] and cat.server.launch == "embedded"
     fmts = {k: cat.partitions[k].sources[0].format for k in cat.partition_keys}
-    assert fmts == {"B1_glaive": "glaive", "B2_opencodeinstruct": "opencodeinstruct", "B4_mixturethoughts": "messages", "B5_openthoughts": "sharegpt"}
+    assert fmts == {"B1_glaive": "glaive", "B2_opencodeinstruct": "opencodeinstruct", "B4_mixturethoughts": "messages",
+                    "B5_openthoughts": "sharegpt"}
     assert {k: cat.partitions[k].sampling.max_new_tokens for k in cat.partition_keys} == {
         "B1_glaive": 256, "B2_opencodeinstruct": 512, "B4_mixturethoughts": 768, "B5_openthoughts": 768}
     assert all(cat.partitions[k].limit == 48 for k in cat.partition_keys)
@@ -51,7 +53,8 @@ def test_default_catalog():
 def test_shared_real_catalog_resolves_to_shared_data(monkeypatch):
     monkeypatch.delenv("EAGLE_SHARED_DATA", raising=False)
     cat = load_catalog(REPO / "catalogs" / "shared-real.yaml")
-    assert cat.partition_keys == ["R1_glaive_toolcall", "R2_code_alpaca", "R3_numinamath", "R4_gsm8k", "R5_mtbench", "R6_bfcl"]
+    assert cat.partition_keys == ["R1_glaive_toolcall", "R2_code_alpaca", "R3_numinamath", "R4_gsm8k", "R5_mtbench",
+                                  "R6_bfcl"]
     if not SHARED.exists():
         pytest.skip("../shared/data is absent: cannot check that the sources exist")
     for key in cat.partition_keys:
@@ -69,7 +72,8 @@ def test_env_expansion_and_relative_paths(tmp_path, monkeypatch):
     assert cat.partition("P1").resolved_sources() == [((tmp_path / "data" / "p1.jsonl").resolve(), "gsm8k")]
     assert cat.path == (tmp_path / "cat.yaml").resolve()
     spec = cat.partition("P1")  # defaults
-    assert (spec.prompt_policy, spec.limit, spec.sampling.temperature, spec.thresholds.short_tokens) == ("last_user", None, 0.0, 300)
+    assert (spec.prompt_policy, spec.limit, spec.sampling.temperature, spec.thresholds.short_tokens) == (
+        "last_user", None, 0.0, 300)
 
 
 def test_missing_max_new_tokens_names_field_and_fix(tmp_path):
@@ -88,20 +92,25 @@ def test_missing_max_new_tokens_names_field_and_fix(tmp_path):
         (MINIMAL.replace("sampling:", "samplng:"), "partitions.P1.samplng", "did you mean 'sampling'"),
         (MINIMAL.replace("64}", "64, top_k: 0}"), "partitions.P1.sampling.top_k", "top_k must be -1"),
         (MINIMAL.replace("64}", "-5}"), "partitions.P1.sampling.max_new_tokens", "greater than 0"),
-        (MINIMAL + "    thresholds: {max_share_short_warn: 0.5, max_share_short_error: 0.4}\n", "partitions.P1.thresholds", "warning level"),
+        (MINIMAL + "    thresholds: {max_share_short_warn: 0.5, max_share_short_error: 0.4}\n",
+         "partitions.P1.thresholds", "warning level"),
         (MINIMAL + "    prompt_policy: random\n", "partitions.P1.prompt_policy", "last_user"),
         (MINIMAL + "    sources: []\n", "partitions.P1.sources", "at least 1"),
         (MINIMAL + "server: {url: '10.0.0.5:30000'}\n", "server.url", "not an http(s) URL"),
         (MINIMAL + "training: {aux_layer_ids: [1, 2]}\n", "training.aux_layer_ids", "three"),
         ("partitions: {}\n", "partitions", "at least 1"),
         (MINIMAL + "server: {url: '${UNSET_VAR_FOR_TEST}'}\n", "server.url", "UNSET_VAR_FOR_TEST is not set"),
-        (MINIMAL + "target: {model: demo, profile: {think_begin: '<think>'}}\n", "target.profile", "unknown profile override(s) ['think_begin']"),
-        (MINIMAL + "    thresholds: {max_share_by_reason: {missing_thinkend: {error: 0.1}}}\n", "partitions.P1.thresholds.max_share_by_reason", "unknown drop reason(s) ['missing_thinkend']"),
-        (MINIMAL + "    thresholds: {max_share_by_reason: {empty_answer: {warn: 0.3, error: 0.1}}}\n", "partitions.P1.thresholds.max_share_by_reason.empty_answer", "warning level"),
+        (MINIMAL + "target: {model: demo, profile: {think_begin: '<think>'}}\n", "target.profile",
+         "unknown profile override(s) ['think_begin']"),
+        (MINIMAL + "    thresholds: {max_share_by_reason: {missing_thinkend: {error: 0.1}}}\n",
+         "partitions.P1.thresholds.max_share_by_reason", "unknown drop reason(s) ['missing_thinkend']"),
+        (MINIMAL + "    thresholds: {max_share_by_reason: {empty_answer: {warn: 0.3, error: 0.1}}}\n",
+         "partitions.P1.thresholds.max_share_by_reason.empty_answer", "warning level"),
         (MINIMAL + "    live: {warmup_rows: 0}\n", "partitions.P1.live.warmup_rows", "greater than 0"),
         (MINIMAL + "training: {mix: {weights: {P1: -1}}}\n", "training.mix.weights", "must be >= 0"),
         (MINIMAL + "training: {mix: {weights: {P2: 1.0}}}\n", "<top level>", "unknown partition(s) ['P2']"),
-        (MINIMAL + "training: {mix: {bucket_caps: [{below_tokens: 300, max_share: 1.5}]}}\n", "training.mix.bucket_caps[0].max_share", "less than or equal to 1"),
+        (MINIMAL + "training: {mix: {bucket_caps: [{below_tokens: 300, max_share: 1.5}]}}\n",
+         "training.mix.bucket_caps[0].max_share", "less than or equal to 1"),
     ],
 )
 def test_validation_errors(tmp_path, monkeypatch, text, field, needle):
@@ -146,7 +155,8 @@ def test_default_catalog_sources_load():
             pytest.skip(f"{path} is not generated yet (python -m eagle_assets.demo.raw_samples writes it)")
         recs = list(load_records(path, fmt))
         good = [r for r in recs if isinstance(r, Conversation)]
-        assert len(recs) >= 48 and len(recs) - len(good) <= 2, (key, [r for r in recs if not isinstance(r, Conversation)])
+        bad = [r for r in recs if not isinstance(r, Conversation)]
+        assert len(recs) >= 48 and len(recs) - len(good) <= 2, (key, bad)
 
 
 def test_the_readme_walkthrough_catalog_loads_and_asks_nothing_of_the_reader(tmp_path):

@@ -58,18 +58,26 @@ schema = st.builds(
          "description": plain}, optional={"default": finite}), max_size=3))
 bare_tool = st.fixed_dictionaries({"name": word, "description": plain, "parameters": schema})
 openai_tool = bare_tool.map(lambda f: {"type": "function", "function": f})
-openai_call = st.builds(lambda n, a, as_text: {"type": "function", "function": {"name": n, "arguments": json.dumps(a) if as_text else a}},
-                        word, arguments, st.booleans())
+openai_call = st.builds(
+    lambda n, a, as_text: {"type": "function", "function": {"name": n, "arguments": json.dumps(a) if as_text else a}},
+    word, arguments, st.booleans())
 user = plain.map(lambda t: {"role": "user", "content": t})
 assistant = st.one_of(plain.map(lambda t: {"role": "assistant", "content": t}),
-                      st.builds(lambda t, c: {"role": "assistant", "content": t, "tool_calls": c}, plain, st.lists(openai_call, min_size=1, max_size=2)),
+                      st.builds(lambda t, c: {"role": "assistant", "content": t, "tool_calls": c},
+                                plain, st.lists(openai_call, min_size=1, max_size=2)),
                       st.builds(lambda r, t: {"role": "assistant", "content": f"<think>{r}</think>{t}"}, plain, plain))
-history = st.lists(st.tuples(user, assistant, st.lists(plain.map(lambda t: {"role": "tool", "content": t}), max_size=1)), max_size=2).map(
+history = st.lists(st.tuples(user, assistant,
+                             st.lists(plain.map(lambda t: {"role": "tool", "content": t}), max_size=1)),
+                   max_size=2).map(
     lambda turns: [m for u, a, tools in turns for m in (u, a, *tools)])
 conversation = st.builds(lambda h, last, ref: h + [last] + ref, history, user, st.lists(assistant, max_size=1))
-glaive_call = st.builds(lambda n, a: "<functioncall> " + json.dumps({"name": n, "arguments": "ARGS"}).replace('"ARGS"', "'" + json.dumps(a) + "'"), word, arguments)
+glaive_call = st.builds(
+    lambda n, a: "<functioncall> " + json.dumps({"name": n, "arguments": "ARGS"}).replace(
+        '"ARGS"', "'" + json.dumps(a) + "'"),
+    word, arguments)
 GOOD = {
-    "messages": st.fixed_dictionaries({"messages": conversation}, optional={"tools": st.lists(openai_tool, max_size=2)}),
+    "messages": st.fixed_dictionaries({"messages": conversation},
+                                      optional={"tools": st.lists(openai_tool, max_size=2)}),
     "sharegpt": st.builds(  # tools and calls as JSON strings (LLaMA-Factory) or as JSON values
         lambda q, n, a, obs, ans, tools, last, as_text: {"conversations": [
             {"from": "human", "value": q},
@@ -79,35 +87,53 @@ GOOD = {
         plain, word, arguments, plain, plain, st.lists(bare_tool, min_size=1, max_size=2), plain, st.booleans()),
     "glaive": st.builds(
         lambda tools, q, call, obs, ans: {
-            "system": "SYSTEM: You are a helpful assistant with access to the following functions. Use them if required -\n"
+            "system": "SYSTEM: You are a helpful assistant with access to the following functions. "
+                      "Use them if required -\n"
                       + "\n\n".join(json.dumps(t, indent=4) for t in tools),
-            "chat": f"USER: {q}\n\n\nASSISTANT: {call} <|endoftext|>\n\n\nFUNCTION RESPONSE: {obs}\n\n\nASSISTANT: {ans} <|endoftext|>\n"},
+            "chat": f"USER: {q}\n\n\nASSISTANT: {call} <|endoftext|>\n\n\nFUNCTION RESPONSE: {obs}\n\n\n"
+                    f"ASSISTANT: {ans} <|endoftext|>\n"},
         st.lists(bare_tool, max_size=2), plain, glaive_call, plain, plain),
     "alpaca": st.fixed_dictionaries({"instruction": plain, "input": plain | st.just(""), "output": plain}),
     "opencodeinstruct": st.fixed_dictionaries({"id": word, "input": plain, "output": plain}),
-    "mtbench": st.fixed_dictionaries({"question_id": st.integers(0, 200), "turns": st.lists(plain, min_size=1, max_size=2)},
+    "mtbench": st.fixed_dictionaries({"question_id": st.integers(0, 200),
+                                      "turns": st.lists(plain, min_size=1, max_size=2)},
                                      optional={"reference": st.lists(plain, min_size=2, max_size=2)}),
     "gsm8k": st.fixed_dictionaries({"question": plain, "answer": plain | number}),
-    "problem": st.one_of(st.fixed_dictionaries({"problem": plain}, optional={"solution": plain, "answer": plain | number}),
+    "problem": st.one_of(st.fixed_dictionaries({"problem": plain},
+                                               optional={"solution": plain, "answer": plain | number}),
                          st.fixed_dictionaries({"Problem": plain, "Solution": plain, "Answer": number})),
     "bfcl": st.one_of(
         st.fixed_dictionaries({"id": word, "question": st.lists(user, min_size=1, max_size=2).map(lambda m: [m]),
                                "function": st.lists(bare_tool, min_size=1, max_size=2)}),
-        st.fixed_dictionaries({"id": word, "question": st.lists(st.lists(user, min_size=1, max_size=1), min_size=1, max_size=3),
-                               "involved_classes": st.lists(st.sampled_from(["GorillaFileSystem", "MathAPI", "TwitterAPI"]), min_size=1, max_size=2, unique=True)},
-                              optional={"missed_function": st.dictionaries(st.sampled_from(["1", "2"]), st.lists(st.sampled_from(["ls", "cd", "add", "post_tweet"]), max_size=2), max_size=1)})),
+        st.fixed_dictionaries({"id": word,
+                               "question": st.lists(st.lists(user, min_size=1, max_size=1), min_size=1, max_size=3),
+                               "involved_classes": st.lists(st.sampled_from(["GorillaFileSystem", "MathAPI",
+                                                                             "TwitterAPI"]),
+                                                            min_size=1, max_size=2, unique=True)},
+                              optional={"missed_function": st.dictionaries(
+                                  st.sampled_from(["1", "2"]),
+                                  st.lists(st.sampled_from(["ls", "cd", "add", "post_tweet"]), max_size=2),
+                                  max_size=1)})),
     "toolbench": st.one_of(
-        st.fixed_dictionaries({"query": plain, "query_id": st.integers(0, 10**6), "api_list": st.lists(st.fixed_dictionaries({
-            "category_name": word, "tool_name": plain, "api_name": plain, "api_description": plain, "method": st.just("GET"),
-            "required_parameters": st.lists(st.fixed_dictionaries({"name": word, "type": st.sampled_from(["STRING", "NUMBER", "BOOLEAN", "ARRAY"]), "description": plain, "default": finite}), max_size=2),
-            "optional_parameters": st.lists(st.fixed_dictionaries({"name": word, "type": st.sampled_from(["STRING", "NUMBER"]), "description": plain, "default": finite}), max_size=1)}),
+        st.fixed_dictionaries({"query": plain, "query_id": st.integers(0, 10**6), "api_list": st.lists(
+            st.fixed_dictionaries({
+                "category_name": word, "tool_name": plain, "api_name": plain, "api_description": plain,
+                "method": st.just("GET"),
+                "required_parameters": st.lists(st.fixed_dictionaries({
+                    "name": word, "type": st.sampled_from(["STRING", "NUMBER", "BOOLEAN", "ARRAY"]),
+                    "description": plain, "default": finite}), max_size=2),
+                "optional_parameters": st.lists(st.fixed_dictionaries({
+                    "name": word, "type": st.sampled_from(["STRING", "NUMBER"]), "description": plain,
+                    "default": finite}), max_size=1)}),
             min_size=1, max_size=2)}),
-        st.builds(lambda sys_, q, n, a, fns: {"answer_generation": {"valid_data": True, "query": q, "function": fns, "train_messages": [[
-            {"role": "system", "content": sys_}, {"role": "user", "content": q},
-            {"role": "assistant", "content": None, "function_call": {"name": n, "arguments": json.dumps(a)}}]]}},
+        st.builds(lambda sys_, q, n, a, fns: {"answer_generation": {
+            "valid_data": True, "query": q, "function": fns, "train_messages": [[
+                {"role": "system", "content": sys_}, {"role": "user", "content": q},
+                {"role": "assistant", "content": None, "function_call": {"name": n, "arguments": json.dumps(a)}}]]}},
             plain, plain, word, arguments, st.lists(bare_tool, min_size=1, max_size=2))),
     "ultrachat": st.fixed_dictionaries({"id": word, "data": st.lists(plain, min_size=1, max_size=4)}),
-    "prompt_response": st.fixed_dictionaries({"prompt": plain}, optional={"response": plain | number, "completion": plain}),
+    "prompt_response": st.fixed_dictionaries({"prompt": plain},
+                                             optional={"response": plain | number, "completion": plain}),
 }
 
 
@@ -197,7 +223,8 @@ def _line(value) -> bytes:
 
 
 def lines_for(layout: str):
-    return st.lists(st.one_of(RECORDS[layout], RECORDS[layout], RECORDS[layout], anything, RAW_LINES), min_size=1, max_size=6)
+    return st.lists(st.one_of(RECORDS[layout], RECORDS[layout], RECORDS[layout], anything, RAW_LINES),
+                    min_size=1, max_size=6)
 
 
 # -- independent validity rules for a kept row ----------------------------------------------------------------------
@@ -238,7 +265,8 @@ def _assert_kept_row(row: dict) -> None:
             assert isinstance(fn.get("description", ""), str)
     if row["reference_reply"] is not None:
         ref = _strict(row["reference_reply"])
-        assert isinstance(ref["content"], str) and (ref["reasoning_content"] is None or isinstance(ref["reasoning_content"], str))
+        assert isinstance(ref["content"], str) and (ref["reasoning_content"] is None
+                                                    or isinstance(ref["reasoning_content"], str))
         for call in ref["tool_calls"] or []:
             _assert_tool_call(call)
 

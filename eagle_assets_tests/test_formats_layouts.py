@@ -42,7 +42,8 @@ def test_bfcl_multi_turn_loads_the_function_docs_of_the_involved_classes():
     assert all(r.tools for r in recs), "a multi-turn prompt is never kept without its tools"
     # BFCL's own order: every involved class's docs, in involved_classes order (TwitterAPI first for record 1)
     assert _names(recs[0]) == ["cd", "find", "ls", "mkdir", "mv", "sort"]
-    assert _names(recs[1]) == ["authenticate_twitter", "comment", "post_tweet", "cd", "find", "ls", "mkdir", "mv", "sort"]
+    assert _names(recs[1]) == ["authenticate_twitter", "comment", "post_tweet", "cd", "find", "ls", "mkdir", "mv",
+                               "sort"]
     assert _names(recs[2]) == ["add", "mean"]
     # the docs' Python type names are JSON schema now, the BFCL "response" key is not part of the tool
     mean = recs[2].tools[1]["function"]
@@ -51,7 +52,8 @@ def test_bfcl_multi_turn_loads_the_function_docs_of_the_involved_classes():
         "required": ["numbers"]}
     assert set(mean) == {"name", "description", "parameters"}
     # only the first turn is a prompt: later turns follow the model's own replies
-    assert [m["content"] for m in recs[1].messages] == ["List everything in my current directory, hidden files included."]
+    assert [m["content"] for m in recs[1].messages] == [
+        "List everything in my current directory, hidden files included."]
 
 
 def test_bfcl_miss_func_holds_out_functions_and_unknown_classes_are_rejected():
@@ -98,7 +100,8 @@ def test_numeric_and_malformed_reference_answers_keep_the_prompt(tmp_path):
     assert [build_prompt(r)[1] and build_prompt(r)[1]["content"] for r in recs] == ["27", "27.0", None, None, None]
     alpaca = _jsonl(tmp_path / "a.jsonl", [{"instruction": "Count to 3.", "input": "", "output": 123},
                                             {"instruction": "Say hi.", "output": ["hi"]}])
-    assert [build_prompt(r)[1] for r in _load(alpaca, "alpaca")] == [{"reasoning_content": None, "content": "123", "tool_calls": None}, None]
+    assert [build_prompt(r)[1] for r in _load(alpaca, "alpaca")] == [
+        {"reasoning_content": None, "content": "123", "tool_calls": None}, None]
     pr = _jsonl(tmp_path / "p.jsonl", [{"prompt": "def f():", "response": {"code": 1}, "completion": "  return 1"}])
     assert build_prompt(_load(pr, "prompt_response")[0])[1]["content"] == "  return 1"
     oci = _jsonl(tmp_path / "o.jsonl", [{"id": "x", "input": "Write add().", "output": 7.5}])
@@ -110,7 +113,8 @@ def test_numeric_and_malformed_reference_answers_keep_the_prompt(tmp_path):
 def test_math_and_aime_layouts():
     (p1, p2) = _load(DATA / "math" / "math.jsonl")
     assert detect_format(DATA / "math" / "math.jsonl") == "problem"
-    assert p1.messages[0]["content"].startswith("What is the value of") and p1.messages[1]["content"].endswith("\\boxed{12}$.")
+    assert (p1.messages[0]["content"].startswith("What is the value of")
+            and p1.messages[1]["content"].endswith("\\boxed{12}$."))
     aime = _load(DATA / "math" / "aime_2024.jsonl")  # Maxwell-Jia/AIME_2024 capitalises ID/Problem/Solution/Answer
     assert detect_format(DATA / "math" / "aime_2024.jsonl") == "problem"
     assert aime[1].messages == [{"role": "user", "content": "Compute $2^{10} \\bmod 1000$."},
@@ -123,10 +127,12 @@ def test_toolbench_queries_become_toolbench_function_schemas():
     assert detect_format(path) == "toolbench"
     weather, squake, bad = _load(path)
     assert _names(weather) == ["current_city_for_open_weather_lite", "forecast_days_for_open_weather_lite", "Finish"]
-    assert weather.messages == [{"role": "user", "content": "I'm flying to Lisbon tomorrow. What's the weather there right now, and what does the next three days look like?"}]
+    assert weather.messages == [{"role": "user", "content": "I'm flying to Lisbon tomorrow. What's the weather there "
+                                                            "right now, and what does the next three days look like?"}]
     current = weather.tools[0]["function"]
     assert current["description"] == ('This is the subfunction for tool "open_weather_lite", you can use this tool.'
-                                      'The description of this function is: "Current conditions for a city: temperature, wind and sky."')
+                                      'The description of this function is: "Current conditions for a city: '
+                                      'temperature, wind and sky."')
     assert current["parameters"] == {"type": "object", "required": ["city"], "properties": {
         "city": {"type": "string", "description": "City name", "example_value": "Lisbon"},
         "units": {"type": "string", "description": "metric or imperial"}}}
@@ -151,10 +157,12 @@ def test_toolbench_answer_trees_use_the_longest_train_messages_chain():
     assert conv.messages[3]["name"] == "current_city_for_open_weather_lite"
     assert _names(conv) == ["current_city_for_open_weather_lite", "Finish"]
     prompt, ref = build_prompt(conv, "last_user")
-    assert [m["role"] for m in prompt] == ["system", "user"] and ref["tool_calls"][0]["function"]["name"] == "current_city_for_open_weather_lite"
+    assert ([m["role"] for m in prompt] == ["system", "user"]
+            and ref["tool_calls"][0]["function"]["name"] == "current_city_for_open_weather_lite")
     # an unfinished search has no chain: its query is still a prompt, with the tools
     (query_only,) = _load(DATA / "toolbench" / "answer" / "11_ChatGPT_DFS_woFilter_w2.json")
-    assert query_only.messages == [{"role": "user", "content": "Weather in Porto, please."}] and _names(query_only)[-1] == "Finish"
+    assert (query_only.messages == [{"role": "user", "content": "Weather in Porto, please."}]
+            and _names(query_only)[-1] == "Finish")
 
 
 # -- UltraChat ------------------------------------------------------------------------------------------------------
@@ -164,7 +172,8 @@ def test_ultrachat_data_lists_and_the_hf_messages_variant():
     recs = _load(path)
     assert [m["role"] for m in recs[0].messages] == ["user", "assistant", "user", "assistant"]
     prompt, ref = build_prompt(recs[0], "last_user")
-    assert prompt[-1]["content"] == "Which cross training is best for knees?" and ref["content"].startswith("Low-impact")
+    assert (prompt[-1]["content"] == "Which cross training is best for knees?"
+            and ref["content"].startswith("Low-impact"))
     assert recs[1].messages == [{"role": "user", "content": "Write a haiku about autumn rain."}]
     assert [(r.reason, r.source_row) for r in recs[2:]] == [("empty_prompt", 2), ("bad_field_type", 3)]
     hf = DATA / "ultrachat" / "ultrachat_200k.jsonl"
@@ -184,15 +193,19 @@ def test_one_bad_character_costs_only_its_record(tmp_path):
         fh.write(b"[" * 5000 + b"]" * 5000 + b"\n")  # nested deeper than the parser recurses
         fh.write(json.dumps({"question": "Still read?", "answer": "yes"}).encode() + b"\n")
     recs = _load(path)
-    assert [type(r).__name__ for r in recs] == ["Conversation", "Rejected", "Rejected", "Rejected", "Rejected", "Conversation"]
+    assert [type(r).__name__ for r in recs] == ["Conversation", "Rejected", "Rejected", "Rejected", "Rejected",
+                                                "Conversation"]
     assert [r.reason for r in recs[1:5]] == ["invalid_unicode", "invalid_unicode", "bad_json", "bad_json"]
     assert recs[1].detail.startswith("messages[0]['content'] holds the lone UTF-16 surrogate \\ud800")
     assert "the byte 0xe9, which is not UTF-8" in recs[2].detail
     assert "4300 digits" in recs[3].detail and "RecursionError" in recs[4].detail
     for r in recs[1:5]:
         r.detail.encode("utf-8")  # a reject is always storable
-    nan_tools = _jsonl(tmp_path / "nan.jsonl", ['{"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "number", "default": NaN}}}}]}',
-                                                 '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"x": Infinity}}}]}, {"role": "user", "content": "again"}]}'])
+    nan_tools = _jsonl(tmp_path / "nan.jsonl", [
+        '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", "parameters": {"type": "object", '
+        '"properties": {"x": {"type": "number", "default": NaN}}}}]}',
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": '
+        '[{"function": {"name": "f", "arguments": {"x": Infinity}}}]}, {"role": "user", "content": "again"}]}'])
     assert [r.reason for r in _load(nan_tools)] == ["non_finite_number", "non_finite_number"]
 
 
@@ -208,7 +221,8 @@ def test_auto_format_on_empty_and_all_malformed_files(tmp_path):
         pass
     assert _load(gz) == []
     # records meant for a layout but all malformed: that layout's own reasons, one per record
-    malformed = _jsonl(tmp_path / "m.jsonl", [{"conversations": "not a list"}, {"conversations": [{"from": "narrator", "value": "x"}]}, "{broken"])
+    malformed = _jsonl(tmp_path / "m.jsonl", [{"conversations": "not a list"},
+                                              {"conversations": [{"from": "narrator", "value": "x"}]}, "{broken"])
     assert [r.reason for r in _load(malformed)] == ["bad_field_type", "unknown_role", "bad_json"]
     only_bad_json = _jsonl(tmp_path / "b.jsonl", ["{broken", "also broken"])
     assert [r.reason for r in _load(only_bad_json)] == ["bad_json", "bad_json"]
@@ -256,13 +270,24 @@ def test_parquet_sources_read_row_by_row(tmp_path):
     ([{"role": "user", "content": None}], None, "bad_field_type"),
     ([{"role": "user", "content": "x", "reasoning_content": 3}], None, "bad_field_type"),
     ([{"role": "user", "content": "x", "tool_calls": []}], None, "invalid_tool_call"),
-    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}], None, "invalid_tool_arguments"),
+    ([{"role": "user", "content": "x"},
+      {"role": "assistant", "content": "",
+       "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+     None, "invalid_tool_arguments"),
     ([{"role": "assistant", "content": "only me"}], None, "no_user_turn"),
     ([{"role": "user", "content": "x"}], [], "invalid_tools"),
-    ([{"role": "user", "content": "x"}], [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], "invalid_tools"),
-    ([{"role": "user", "content": "x"}], [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": 1}}}}], "invalid_tools"),
-    ([{"role": "user", "content": "x"}], [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "a"}}}], "invalid_tools"),
-    ([{"role": "user", "content": "x"}], [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"default": float("inf")}}}}}], "non_finite_number"),
+    ([{"role": "user", "content": "x"}],
+     [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], "invalid_tools"),
+    ([{"role": "user", "content": "x"}],
+     [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": 1}}}}],
+     "invalid_tools"),
+    ([{"role": "user", "content": "x"}],
+     [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "a"}}}],
+     "invalid_tools"),
+    ([{"role": "user", "content": "x"}],
+     [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                    "properties": {"a": {"default": float("inf")}}}}}],
+     "non_finite_number"),
     ([{"role": "user", "content": "x\udfff"}], None, "invalid_unicode"),
     ([{"role": "user", "content": "x"}, {"role": "tool", "content": "y", "name": "f\ud800"}], None, "invalid_unicode"),
 ])

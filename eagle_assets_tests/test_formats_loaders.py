@@ -43,14 +43,19 @@ GLAIVE_SYSTEM = (
     "SYSTEM: You are a helpful assistant with access to the following functions. Use them if required -\n"
     '{\n    "name": "get_exchange_rate",\n    "description": "Get the exchange rate between two currencies",\n'
     '    "parameters": {\n        "type": "object",\n        "properties": {\n'
-    '            "base_currency": {\n                "type": "string",\n                "description": "The currency to convert from"\n            },\n'
-    '            "target_currency": {\n                "type": "string",\n                "description": "The currency to convert to"\n            }\n'
-    '        },\n        "required": [\n            "base_currency",\n            "target_currency"\n        ]\n    }\n}\n\n'
-    '{\n    "name": "get_time",\n    "description": "Current time in a city",\n    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}\n}\n'
+    '            "base_currency": {\n                "type": "string",\n'
+    '                "description": "The currency to convert from"\n            },\n'
+    '            "target_currency": {\n                "type": "string",\n'
+    '                "description": "The currency to convert to"\n            }\n'
+    '        },\n        "required": [\n            "base_currency",\n            "target_currency"\n'
+    '        ]\n    }\n}\n\n'
+    '{\n    "name": "get_time",\n    "description": "Current time in a city",\n'
+    '    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}\n}\n'
 )
 GLAIVE_CHAT = (
     "USER: Hi, can you tell me the exchange rate from USD to EUR?\n\n\n"
-    "ASSISTANT: <functioncall> {\"name\": \"get_exchange_rate\", \"arguments\": '{\"base_currency\": \"USD\", \"target_currency\": \"EUR\"}'} <|endoftext|>\n\n\n"
+    "ASSISTANT: <functioncall> {\"name\": \"get_exchange_rate\", "
+    "\"arguments\": '{\"base_currency\": \"USD\", \"target_currency\": \"EUR\"}'} <|endoftext|>\n\n\n"
     "FUNCTION RESPONSE: {\"exchange_rate\": 0.85}\n\n\n"
     "ASSISTANT: The current exchange rate from USD to EUR is 0.85. <|endoftext|>\n\n\n"
     "USER: Thanks! And what time is it in Paris?\n\n\n"
@@ -61,9 +66,12 @@ GLAIVE_CHAT = (
 def test_glaive_raw_text_layout(tmp_path):
     no_tools = {"system": "SYSTEM: You are a helpful assistant, with no access to external functions.\n\n",
                 "chat": "USER: What is 2+2?\n\n\nASSISTANT: 2+2 is 4. <|endoftext|>\n\n\n"}
-    bad_args = {"system": GLAIVE_SYSTEM, "chat": "USER: rate?\n\n\nASSISTANT: <functioncall> {\"name\": \"get_time\", \"arguments\": '{\"city\": Paris}'} <|endoftext|>\n"}
+    bad_args = {"system": GLAIVE_SYSTEM,
+                "chat": "USER: rate?\n\n\nASSISTANT: <functioncall> {\"name\": \"get_time\", "
+                        "\"arguments\": '{\"city\": Paris}'} <|endoftext|>\n"}
     no_markers = {"system": GLAIVE_SYSTEM, "chat": "hello there, no speaker markers"}
-    path = _json(tmp_path, "glaive.json", [{"system": GLAIVE_SYSTEM, "chat": GLAIVE_CHAT}, no_tools, bad_args, no_markers, {"system": "x"}])
+    path = _json(tmp_path, "glaive.json",
+                 [{"system": GLAIVE_SYSTEM, "chat": GLAIVE_CHAT}, no_tools, bad_args, no_markers, {"system": "x"}])
     assert detect_format(path) == "glaive"
     recs = _load(path)
     conv = recs[0]
@@ -74,12 +82,14 @@ def test_glaive_raw_text_layout(tmp_path):
     assert roles == ["system", "user", "assistant", "tool", "assistant", "user", "assistant"]
     assert conv.messages[0]["content"].startswith("You are a helpful assistant with access to the following functions")
     assert "{" not in conv.messages[0]["content"]  # schemas moved into tools
-    assert conv.messages[2]["tool_calls"] == [{"type": "function", "function": {"name": "get_exchange_rate", "arguments": {"base_currency": "USD", "target_currency": "EUR"}}}]
+    assert conv.messages[2]["tool_calls"] == [{"type": "function", "function": {
+        "name": "get_exchange_rate", "arguments": {"base_currency": "USD", "target_currency": "EUR"}}}]
     assert conv.messages[3]["content"] == '{"exchange_rate": 0.85}'
     assert conv.messages[4]["content"] == "The current exchange rate from USD to EUR is 0.85."
     assert isinstance(recs[1], Conversation) and recs[1].tools is None
     assert [m["role"] for m in recs[1].messages] == ["system", "user", "assistant"]
-    assert (recs[2].reason, recs[3].reason, recs[4].reason) == ("invalid_tool_arguments", "unparseable_text", "missing_field")
+    assert (recs[2].reason, recs[3].reason, recs[4].reason) == (
+        "invalid_tool_arguments", "unparseable_text", "missing_field")
     assert "get_time" in recs[2].detail
 
 
@@ -93,13 +103,15 @@ def test_sharegpt_llamafactory_tools_and_openthoughts(tmp_path):
             {"from": "human", "value": "And 200?"},
             {"from": "human", "value": "Please be brief."},
         ],
-        "tools": "[{\"name\": \"convert\", \"description\": \"convert money\", \"parameters\": {\"type\": \"object\", \"properties\": {\"amount\": {\"type\": \"number\"}}}}]",
+        "tools": "[{\"name\": \"convert\", \"description\": \"convert money\", "
+                 "\"parameters\": {\"type\": \"object\", \"properties\": {\"amount\": {\"type\": \"number\"}}}}]",
     }
     openthoughts = {
         "system": "Your role as an assistant involves thoroughly exploring questions.",
         "conversations": [
             {"from": "user", "value": "What is 3*7?"},
-            {"from": "assistant", "value": "<|begin_of_thought|>\n\n3 times 7 is 21.\n\n<|end_of_thought|>\n\n<|begin_of_solution|>\n\n21\n\n<|end_of_solution|>"},
+            {"from": "assistant", "value": "<|begin_of_thought|>\n\n3 times 7 is 21.\n\n<|end_of_thought|>\n\n"
+                                           "<|begin_of_solution|>\n\n21\n\n<|end_of_solution|>"},
         ],
     }
     malformed = [
@@ -108,7 +120,8 @@ def test_sharegpt_llamafactory_tools_and_openthoughts(tmp_path):
         {"conversations": [{"from": "human", "value": "   "}, {"from": "gpt", "value": "ok"}]},
         {"conversations": [{"from": "gpt", "value": "only an answer"}]},
         {"conversations": [{"from": "human", "value": "x"}], "tools": "[{not json"},
-        {"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "{\"name\": \"f\", \"arguments\": \"{oops\"}"}]},
+        {"conversations": [{"from": "human", "value": "x"},
+                           {"from": "function_call", "value": "{\"name\": \"f\", \"arguments\": \"{oops\"}"}]},
         [1, 2, 3],
     ]
     path = _jsonl(tmp_path, "sg.jsonl", [tool_record, openthoughts, *malformed, "{broken json"])
@@ -116,7 +129,8 @@ def test_sharegpt_llamafactory_tools_and_openthoughts(tmp_path):
     conv = recs[0]
     assert conv.tools[0]["type"] == "function" and conv.tools[0]["function"]["name"] == "convert"
     assert [m["role"] for m in conv.messages] == ["user", "assistant", "tool", "assistant", "user"]
-    assert conv.messages[1] == {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "convert", "arguments": {"amount": 100}}}]}
+    assert conv.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "convert", "arguments": {"amount": 100}}}]}
     assert conv.messages[-1]["content"] == "And 200?\n\nPlease be brief."  # consecutive user turns merged
     ot = recs[1]
     assert ot.messages[0] == {"role": "system", "content": openthoughts["system"]}
@@ -137,13 +151,17 @@ def test_messages_layouts(tmp_path):
         {"role": "developer", "content": "Be terse."},
         {"role": "user", "content": "Weather in Rome?"},
         {"role": "assistant", "content": None, "reasoning_content": "Need the tool.",
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Rome\"}"}}]},
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "weather", "arguments": "{\"city\": \"Rome\"}"}}]},
         {"role": "tool", "name": "weather", "content": "sunny"},
         {"role": "user", "content": [{"type": "text", "text": "And tomorrow?"}]},
-    ], "tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "dict", "properties": {"city": {"type": "str"}}}}}]}
+    ], "tools": [{"type": "function", "function": {
+        "name": "weather", "parameters": {"type": "dict", "properties": {"city": {"type": "str"}}}}}]}
     parts = {"messages": [
         {"role": "user", "content": [{"type": "text", "value": "area of r=2?"}]},
-        {"role": "assistant", "content": [{"type": "reasoning", "value": "pi r^2"}, {"type": "tool_call", "value": "{\"name\": \"circle_area\", \"arguments\": {\"radius\": 2}}"}]},
+        {"role": "assistant", "content": [
+            {"type": "reasoning", "value": "pi r^2"},
+            {"type": "tool_call", "value": "{\"name\": \"circle_area\", \"arguments\": {\"radius\": 2}}"}]},
     ]}
     xlam = {"messages": [{"role": "user", "content": "products?"}],
             "tools": json.dumps([{"type": "function", "function": {"name": "get_products", "parameters": {
@@ -151,7 +169,8 @@ def test_messages_layouts(tmp_path):
                 "category": {"description": "which", "type": "str, optional", "default": "all"}}}}])}
     bad = [
         {"messages": [{"role": "user", "content": 5}]},
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+        {"messages": [{"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         {"num_tokens": 3},
     ]
@@ -182,18 +201,21 @@ def test_single_turn_layouts(tmp_path):
         {"input": "no instruction", "output": "x"},
     ])
     recs = _load(alpaca, "alpaca")
-    assert recs[0].messages == [{"role": "user", "content": "Reverse a list in Python.\n\n[1, 2, 3]"}, {"role": "assistant", "content": "lst[::-1]"}]
+    assert recs[0].messages == [{"role": "user", "content": "Reverse a list in Python.\n\n[1, 2, 3]"},
+                                {"role": "assistant", "content": "lst[::-1]"}]
     assert [m["role"] for m in recs[1].messages] == ["system", "user", "assistant", "user", "assistant"]
     assert [r.reason for r in recs[2:]] == ["empty_prompt", "missing_field"]
 
     oci = _jsonl(tmp_path, "oci.jsonl", [
-        {"id": "abc", "input": "Write a function add(a, b).", "output": "def add(a, b):\n    return a + b", "domain": "generic",
-         "generation_algorithm": "self-instruct", "llm_judgement": "{}", "unit_tests": "[]", "tests_execution_status": "[]", "average_test_score": "1"},
+        {"id": "abc", "input": "Write a function add(a, b).", "output": "def add(a, b):\n    return a + b",
+         "domain": "generic", "generation_algorithm": "self-instruct", "llm_judgement": "{}", "unit_tests": "[]",
+         "tests_execution_status": "[]", "average_test_score": "1"},
         {"id": "bad", "input": None, "output": "x"},
     ])
     assert detect_format(oci) == "opencodeinstruct"
     recs = _load(oci)
-    assert recs[0].messages[0]["content"] == "Write a function add(a, b)." and recs[0].messages[1]["role"] == "assistant"
+    assert (recs[0].messages[0]["content"] == "Write a function add(a, b)."
+            and recs[0].messages[1]["role"] == "assistant")
     assert recs[1].reason == "missing_field"
 
     mt = _jsonl(tmp_path, "mt.jsonl", [
@@ -206,14 +228,16 @@ def test_single_turn_layouts(tmp_path):
     assert [m["content"] for m in recs[1].messages] == ["1+1?", "2", "Times 3?"]
     assert recs[2].reason == "empty_prompt"
 
-    gsm = _jsonl(tmp_path, "g.jsonl", [{"question": "Tom has 3 apples...", "answer": "3+2=<<3+2=5>>5\n#### 5"}, {"question": 7}])
+    gsm = _jsonl(tmp_path, "g.jsonl", [{"question": "Tom has 3 apples...", "answer": "3+2=<<3+2=5>>5\n#### 5"},
+                                       {"question": 7}])
     recs = _load(gsm)
     assert recs[0].messages[1]["content"].endswith("#### 5")
     assert recs[1].reason == "bad_field_type"
 
     he = tmp_path / "he.jsonl.gz"
     with gzip.open(he, "wt", encoding="utf-8") as fh:
-        fh.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n    \"\"\"doc\"\"\"\n", "canonical_solution": "    return 1\n", "test": "", "entry_point": "f"}) + "\n")
+        fh.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n    \"\"\"doc\"\"\"\n",
+                             "canonical_solution": "    return 1\n", "test": "", "entry_point": "f"}) + "\n")
     assert detect_format(he) == "prompt_response"
     assert _load(he)[0].messages[1]["content"] == "    return 1\n"
 
@@ -221,9 +245,12 @@ def test_single_turn_layouts(tmp_path):
 def test_bfcl_layout_normalizes_python_types(tmp_path):
     rec = {"id": "simple_0", "question": [[{"role": "user", "content": "Area of a triangle base 10 height 5?"}]],
            "function": [{"name": "calc.area", "description": "d", "parameters": {"type": "dict", "properties": {
-               "base": {"type": "integer"}, "ratio": {"type": "float"}, "pair": {"type": "tuple", "items": {"type": "float"}},
-               "opts": {"type": "dict", "properties": {"unit": {"type": "string"}}}, "any": {"type": "any"}}, "required": ["base"]}}]}
-    path = _jsonl(tmp_path, "BFCL_v4_x.json", [rec, {"id": "bad", "question": [[{"role": "user", "content": "x"}]], "function": "nope"}])
+               "base": {"type": "integer"}, "ratio": {"type": "float"},
+               "pair": {"type": "tuple", "items": {"type": "float"}},
+               "opts": {"type": "dict", "properties": {"unit": {"type": "string"}}}, "any": {"type": "any"}},
+               "required": ["base"]}}]}
+    path = _jsonl(tmp_path, "BFCL_v4_x.json",
+                  [rec, {"id": "bad", "question": [[{"role": "user", "content": "x"}]], "function": "nope"}])
     assert detect_format(path) == "bfcl"
     recs = _load(path)
     params = recs[0].tools[0]["function"]["parameters"]
@@ -300,7 +327,8 @@ def test_real_glaive_toolcall_structure():
     calls = [c for conv in convs for m in conv.messages for c in m.get("tool_calls", [])]
     tool_msgs = [m for conv in convs for m in conv.messages if m["role"] == "tool"]
     assert len(calls) == 211 and len(tool_msgs) == 211  # one per function_call / observation turn in the file
-    assert calls[0]["function"] == {"name": "search_recipes", "arguments": {"ingredients": ["chicken", "bell peppers", "rice"]}}
+    assert calls[0]["function"] == {"name": "search_recipes",
+                                    "arguments": {"ingredients": ["chicken", "bell peppers", "rice"]}}
 
 
 def test_real_specforge_invalid_arguments_rejected():

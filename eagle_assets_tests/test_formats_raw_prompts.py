@@ -33,7 +33,8 @@ def _catalog(tmp_path: Path, partitions: dict, model: str = "demo") -> Path:
 
 def _materialize(catalog: Path, tmp_path: Path, keys: list[str], partition: str, **kwargs):
     defs = build_definitions(catalog, storage_root=tmp_path / "store", **kwargs)
-    assets = [a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and len(a.keys) == 1 and a.key.path[0] in keys]
+    assets = [a for a in defs.assets
+              if isinstance(a, dg.AssetsDefinition) and len(a.keys) == 1 and a.key.path[0] in keys]
     with dg.DagsterInstance.ephemeral() as instance:
         return dg.materialize(assets, partition_key=partition, instance=instance, resources=defs.resources,
                               raise_on_error=False)
@@ -57,7 +58,8 @@ def test_raw_prompts_keeps_every_good_record_of_a_file_with_bad_ones(tmp_path):
         fh.write(b'{"question": 7}\n')
         fh.write(json.dumps(good[2]).encode() + b"\n")
         fh.write(json.dumps(good[2]).encode() + b"\n")  # duplicate
-    result = _materialize(_catalog(tmp_path, {"P": [{"path": str(src), "format": "auto"}]}), tmp_path, ["raw_prompts"], "P")
+    result = _materialize(_catalog(tmp_path, {"P": [{"path": str(src), "format": "auto"}]}), tmp_path,
+                          ["raw_prompts"], "P")
     assert result.success
     out = tmp_path / "store" / "cat" / "raw_prompts" / "P"
     rows = pq.read_table(out / "prompts.parquet").to_pylist()
@@ -88,7 +90,8 @@ def test_an_empty_file_flows_through_the_partition_job_as_zero_rows(tmp_path):
     catalog = _catalog(tmp_path, {"E": [{"path": str(tmp_path / "empty.jsonl"), "format": "auto"}]}, model=str(qwen))
     stub = StubServer(vocab_size=151936)
     with serve_stub_in_thread(stub) as running:
-        defs = build_definitions(catalog, storage_root=tmp_path / "store", sglang=SGLangServerResource(urls=[running.url]))
+        defs = build_definitions(catalog, storage_root=tmp_path / "store",
+                                 sglang=SGLangServerResource(urls=[running.url]))
         with dg.DagsterInstance.ephemeral() as instance:
             result = defs.resolve_job_def("partition_job").execute_in_process(
                 partition_key="E", instance=instance, raise_on_error=False)
@@ -108,7 +111,8 @@ def test_an_empty_file_flows_through_the_partition_job_as_zero_rows(tmp_path):
 def test_a_file_of_malformed_records_is_rejected_record_by_record(tmp_path):
     src = tmp_path / "bad.jsonl"
     src.write_text('{"conversations": "not a list"}\n{"conversations": [{"from": "narrator", "value": "x"}]}\n{oops\n')
-    result = _materialize(_catalog(tmp_path, {"B": [{"path": str(src), "format": "auto"}]}), tmp_path, ["raw_prompts"], "B")
+    result = _materialize(_catalog(tmp_path, {"B": [{"path": str(src), "format": "auto"}]}), tmp_path,
+                          ["raw_prompts"], "B")
     assert result.success
     rejects = pq.read_table(tmp_path / "store" / "cat" / "raw_prompts" / "B" / "rejects.parquet").to_pylist()
     assert [r["reason"] for r in rejects] == ["bad_field_type", "unknown_role", "bad_json"]
@@ -126,7 +130,8 @@ def qwen3_dir():
 
 @pytest.mark.parametrize(("sources", "tool_names"), [
     ([{"path": str(DATA / "bfcl_multi_turn" / "BFCL_v4_multi_turn_base.json"), "format": "bfcl"}],
-     [["cd", "find", "ls", "mkdir", "mv", "sort"], ["authenticate_twitter", "post_tweet", "comment", "mv"], ["add", "mean"]]),
+     [["cd", "find", "ls", "mkdir", "mv", "sort"], ["authenticate_twitter", "post_tweet", "comment", "mv"],
+      ["add", "mean"]]),
     ([{"path": str(DATA / "toolbench" / "G1_query.json"), "format": "toolbench"},
       {"path": str(DATA / "toolbench" / "answer" / "10_ChatGPT_DFS_woFilter_w2.json"), "format": "auto"}],
      [["current_city_for_open_weather_lite", "forecast_days_for_open_weather_lite", "Finish"],
@@ -139,7 +144,8 @@ def test_tool_layouts_reach_the_real_qwen3_chat_template(tmp_path, qwen3_dir, so
                           ["raw_prompts", "tokenized_prompts"], "T")
     assert result.success
     raw = pq.read_table(tmp_path / "store" / "cat" / "raw_prompts" / "T" / "prompts.parquet").to_pylist()
-    tokenized = {r["sample_id"]: r for r in pq.read_table(tmp_path / "store" / "cat" / "tokenized_prompts" / "T" / "prompts.parquet").to_pylist()}
+    tokenized = {r["sample_id"]: r for r in pq.read_table(
+        tmp_path / "store" / "cat" / "tokenized_prompts" / "T" / "prompts.parquet").to_pylist()}
     assert len(raw) == len(tokenized) == len(tool_names)
     tok = AutoTokenizer.from_pretrained(qwen3_dir)
     for r, names in zip(raw, tool_names):

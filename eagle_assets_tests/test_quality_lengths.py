@@ -53,7 +53,8 @@ def test_length_report_empty():
 
 def test_response_length_levels():
     th = Thresholds(**{"short_tokens": 50, "min_median_tokens": 20, "max_share_short_warn": 0.3,
-                       "max_share_short_error": 0.8, "max_share_truncated_warn": 0.01, "max_share_truncated_error": 0.1})
+                       "max_share_short_error": 0.8, "max_share_truncated_warn": 0.01,
+                       "max_share_truncated_error": 0.1})
     ok = evaluate_response_length([100] * 10, ["stop"] * 10, th)
     assert ok.passed and ok.level == "OK"
     warn = evaluate_response_length([10] * 4 + [100] * 6, ["stop"] * 10, th)

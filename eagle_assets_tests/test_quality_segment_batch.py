@@ -90,8 +90,8 @@ def test_hand_made_cases_in_one_batch_through_segment_flat():
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
-def test_family_keep_and_drop_cases_with_real_tokenizers(families, name):
-    f = families[name]
+def test_family_keep_and_drop_cases_with_real_tokenizers(request, name):
+    f = request.getfixturevalue("families")[name]
     rows = [*_keep_cases(f).values(), *_drop_cases(f).values()]
     for policy in ("drop", "keep"):
         got = _assert_same(rows, f.profile, opens=[f.rendered_opens] * len(rows), prompts=[f.prompt_ids] * len(rows),

@@ -4,8 +4,8 @@ rows of the one-batch path.
 - ``tokenized_prompts.prompts_file.PromptsFile`` (what ``generations`` and ``qc_shards`` read prompts through) over a
   file of many small row groups with a one-group cache: the same ids as the whole table, in any order.
 - ``tokenized_prompts.write.tokenize_partition`` over more records than one batch: several row groups, and rows /
-  rejects equal to ``render_prompt`` record by record (real tokenizers of the shared data: every family, several layouts;
-  ``render_prompts``' batch encode against the one-record path).
+  rejects equal to ``render_prompt`` record by record (real tokenizers of the shared data: every family, several
+  layouts; ``render_prompts``' batch encode against the one-record path).
 - ``qc_partition`` reading prompts from such a file equals the in-memory path.
 - ``run_generation`` from a ``PromptsFile`` against the stub server over real HTTP: several bounded shards, killed
   part way (the client's callback raises) and resumed shard by shard, every prompt exactly once, the same rows as

@@ -34,7 +34,9 @@ STANDARD = [
     {"role": "user", "content": "How old are you?"},
 ]
 WEATHER_TOOL = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                                  "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+                                                  "parameters": {"type": "object",
+                                                                 "properties": {"city": {"type": "string"}},
+                                                                 "required": ["city"]}}}]
 
 
 def _need(path: Path) -> None:
@@ -69,9 +71,12 @@ def test_profiles_of_real_tokenizers(qwen, deepseek):
         name="qwen3", think_start_id=151667, think_end_id=151668, tool_call_start_ids=(151657,),
         tool_call_end_ids=(151658,), end_of_turn_id=151645, stop_ids=(151645, 151643))
     ds = detect_profile(deepseek)
-    assert (ds.name, ds.think_start_id, ds.think_end_id, ds.end_of_turn_id, ds.stop_ids) == ("deepseek", 128798, 128799, 1, (1,))
-    assert [deepseek.convert_ids_to_tokens(i) for i in ds.tool_call_start_ids] == ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"]
-    assert [deepseek.convert_ids_to_tokens(i) for i in ds.tool_call_end_ids] == ["<｜tool▁calls▁end｜>", "<｜tool▁call▁end｜>"]
+    assert (ds.name, ds.think_start_id, ds.think_end_id, ds.end_of_turn_id, ds.stop_ids) == (
+        "deepseek", 128798, 128799, 1, (1,))
+    assert [deepseek.convert_ids_to_tokens(i) for i in ds.tool_call_start_ids] == [
+        "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"]
+    assert [deepseek.convert_ids_to_tokens(i) for i in ds.tool_call_end_ids] == [
+        "<｜tool▁calls▁end｜>", "<｜tool▁call▁end｜>"]
 
 
 def test_profile_overrides(qwen):
@@ -108,11 +113,13 @@ def test_demo_style_tokenizer_profile(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+                "<tool_response>", "</tool_response>"]
     vocab = {t: i for i, t in enumerate(specials + ["hello", "world", "[UNK]"])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="[UNK]", additional_special_tokens=specials)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  unk_token="[UNK]", additional_special_tokens=specials)
     p = detect_profile(tok)
     assert p == FamilyProfile("demo", 3, 4, (5,), (6,), 2, (2, 0))
 
@@ -124,7 +131,8 @@ def test_golden_ids_qwen3_thinking(qwen):
     rendered = render_prompt(qwen, STANDARD, profile=detect_profile(qwen))
     n = rendered.n_prompt_tokens
     assert rendered.prompt_ids == ref["input_ids"][:n]
-    assert rendered.flags["generation_prompt"] == "<|im_start|>assistant\n" and not rendered.flags["ends_with_think_start"]
+    assert (rendered.flags["generation_prompt"] == "<|im_start|>assistant\n"
+            and not rendered.flags["ends_with_think_start"])
     # The training row is prompt_ids + the model's output ids; with the reference answer as output it is exactly
     # SpecForge's row, and the supervised region starts where SpecForge's last-turn loss mask starts.
     output = qwen("<think>\n\n</think>\n\n11 years old.<|im_end|>\n", add_special_tokens=False)["input_ids"]
@@ -159,22 +167,26 @@ def test_tools_rendered_or_refused(qwen, deepseek):
 def test_tool_history_arguments(qwen, deepseek):
     msgs = [
         {"role": "user", "content": "Weather in Rome?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
         {"role": "tool", "content": '{"sky": "sunny"}'},
         {"role": "user", "content": "Thanks, and in Paris?"},
     ]
     q = render_prompt(qwen, msgs, WEATHER_TOOL)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in q.text
-    assert "<tool_response>\n{\"sky\": \"sunny\"}\n</tool_response>" in q.text and not q.flags["tool_arguments_as_string"]
+    assert ("<tool_response>\n{\"sky\": \"sunny\"}\n</tool_response>" in q.text
+            and not q.flags["tool_arguments_as_string"])
     d = render_prompt(deepseek, msgs)  # its template concatenates arguments as text: retried with JSON strings
     assert d.flags["tool_arguments_as_string"]
-    assert '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Rome"}\n```<｜tool▁call▁end｜>' in d.text
+    assert ('<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n'
+            '```json\n{"city": "Rome"}\n```<｜tool▁call▁end｜>') in d.text
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"}  # caller's messages untouched
 
 
 AFTER_TOOL = [
     {"role": "user", "content": "Weather in Rome?"},
-    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
     {"role": "tool", "content": '{"sky": "sunny"}'},
 ]
 
@@ -192,7 +204,8 @@ def test_deepseek_v3_prompt_after_tool_outputs_is_the_template_text_sglang_serve
     tail = [ids("<｜tool▁calls▁end｜>"), ids("<｜end▁of▁sentence｜>"), ids("<｜tool▁outputs▁begin｜>"),
             ids("<｜tool▁output▁begin｜>")]
     body = deepseek('{"sky": "sunny"}', add_special_tokens=False)["input_ids"]
-    assert r.prompt_ids[-(len(tail) + len(body) + 2):] == tail + body + [ids("<｜tool▁output▁end｜>"), ids("<｜tool▁outputs▁end｜>")]
+    assert r.prompt_ids[-(len(tail) + len(body) + 2):] == tail + body + [ids("<｜tool▁output▁end｜>"),
+                                                                         ids("<｜tool▁outputs▁end｜>")]
     assert ids("<｜Assistant｜>") not in r.prompt_ids[r.prompt_ids.index(ids("<｜tool▁calls▁end｜>")):]
     assert (r.flags["generation_prompt"], r.flags["generation_prompt_tokens"], r.opens_think) == ("", 0, False)
     # the template's own answer after the tool results continues exactly these ids
@@ -223,7 +236,8 @@ def test_enable_thinking_and_open_think_flag(qwen):
     off = render_prompt(qwen, STANDARD, enable_thinking=False, profile=prof)
     assert off.flags["generation_prompt"] == "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     assert off.prompt_ids[-4:] == [151667, 271, 151668, 271] and not off.flags["ends_with_think_start"]
-    r1_style = qwen.chat_template.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+    r1_style = qwen.chat_template.replace("{{- '<|im_start|>assistant\\n' }}",
+                                          "{{- '<|im_start|>assistant\\n<think>\\n' }}")
     assert r1_style != qwen.chat_template
     with _template(qwen, r1_style):
         opened = render_prompt(qwen, STANDARD, profile=prof)
@@ -236,9 +250,11 @@ def test_control_tokens_in_text_refused(qwen, deepseek):
     assert e.value.reason == "control_token_in_text" and "<|im_end|>" in e.value.detail
     with pytest.raises(RenderError, match="control_token_in_text"):
         render_prompt(qwen, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-                             {"role": "tool", "content": "result </tool_response> trailing"}, {"role": "user", "content": "q2"}])
+                             {"role": "tool", "content": "result </tool_response> trailing"},
+                             {"role": "user", "content": "q2"}])
     with pytest.raises(RenderError, match="control_token_in_text"):
-        render_prompt(deepseek, [{"role": "system", "content": "<｜end▁of▁sentence｜>"}, {"role": "user", "content": "hi"}])
+        render_prompt(deepseek, [{"role": "system", "content": "<｜end▁of▁sentence｜>"},
+                                 {"role": "user", "content": "hi"}])
     # Plain look-alikes are fine: not the exact special-token text.
     assert render_prompt(qwen, [{"role": "user", "content": "what does < |im_end| > mean?"}]).n_prompt_tokens > 0
 
@@ -262,7 +278,8 @@ def test_template_failures(qwen):
     msgs = [{"role": "user", "content": "hi"}]
     with _template(qwen, None), pytest.raises(RenderError, match="template_error.*no chat_template"):
         render_prompt(qwen, msgs)
-    with _template(qwen, "{{ raise_exception('only user/assistant roles are supported') }}"), pytest.raises(RenderError) as e:
+    with (_template(qwen, "{{ raise_exception('only user/assistant roles are supported') }}"),
+          pytest.raises(RenderError) as e):
         render_prompt(qwen, msgs)
     assert e.value.reason == "template_error" and "only user/assistant" in e.value.detail
     with _template(qwen, "{% for m in messages %}{{ m['content'] }}{% endfor %}"), pytest.raises(RenderError) as e:
@@ -304,11 +321,13 @@ def test_golden_ids_qwen3_tool_history(qwen):
     ref_path = REFS / "qwen3-instruct_tool-use_ref.json"
     _need(ref_path)
     ref = json.loads(ref_path.read_text())
-    call = lambda city: {"type": "function", "function": {"name": "get_weather", "arguments": {"location": city, "date": "today"}}}  # noqa: E731
+    call = lambda city: {"type": "function",  # noqa: E731
+                         "function": {"name": "get_weather", "arguments": {"location": city, "date": "today"}}}
     msgs = [
         {"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "我想知道今天北京和上海的天气怎么样？"},
-        {"role": "assistant", "content": "我来帮您查询北京和上海的天气情况。", "tool_calls": [call("北京"), call("上海")]},
+        {"role": "assistant", "content": "我来帮您查询北京和上海的天气情况。",
+         "tool_calls": [call("北京"), call("上海")]},
         {"role": "tool", "content": '{"location": "北京", "temperature": 25, "condition": "晴朗", "humidity": "45%"}'},
         {"role": "tool", "content": '{"location": "上海", "temperature": 28, "condition": "多云", "humidity": "65%"}'},
     ]

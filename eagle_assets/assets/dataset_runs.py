@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import dagster as dg
 
 from eagle_assets.assets.inputs import GLOBAL_INPUTS, PARTITION_INPUTS, observation_event
-from eagle_assets.lineage.versions import source_files_version
 from eagle_assets.catalog import Catalog
+from eagle_assets.lineage.versions import source_files_version
 
 RAW_PROMPTS = dg.AssetKey("raw_prompts")
 OBSERVED_INPUTS = frozenset((*PARTITION_INPUTS, *GLOBAL_INPUTS))  # observable source assets: observations only

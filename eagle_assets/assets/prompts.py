@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from eagle_assets.assets.inputs import AFTER_OBSERVATIONS
 from eagle_assets.assets.dataset_runs import materialization_tags
+from eagle_assets.assets.inputs import AFTER_OBSERVATIONS
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.lineage.versions import directory_content_version
-from eagle_assets.raw_prompts.rows import RAW_SCHEMA, REJECT_SCHEMA  # noqa: F401
 from eagle_assets.raw_prompts.dataset_parse import dataset_chunk_rows
+from eagle_assets.raw_prompts.rows import RAW_SCHEMA, REJECT_SCHEMA  # noqa: F401
 from eagle_assets.raw_prompts.write import write_raw_prompts
 from eagle_assets.tokenized_prompts.write import TOKENIZED_SCHEMA, tokenize_partition  # noqa: F401
 

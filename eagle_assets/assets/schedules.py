@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dagster as dg
 
-from eagle_assets.qc.status import passing_datasets
 from eagle_assets.assets.resources import PipelineSettings
 from eagle_assets.catalog import CatalogError
+from eagle_assets.qc.status import passing_datasets
 
 NIGHTLY_SCHEDULE = "nightly_training_schedule"
 NIGHTLY_CRON = "0 3 * * *"

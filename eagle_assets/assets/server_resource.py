@@ -15,6 +15,7 @@ means something inside the process that registered it, i.e. with the in-process 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import uuid
 from typing import Iterator
@@ -31,17 +32,20 @@ class ServerLauncher:
     """Launches one ``/generate`` server on first use and hands out its URL until :meth:`stop`.
 
     Args: as :func:`eagle_assets.serving.launch.launch_server` (``launch``, ``host``, ``port``,
-    ``startup_timeout_s``, ``extra_args``, ``api_key_env``, ``log_dir``). Thread-safe.
+    ``startup_timeout_s``, ``extra_args``, ``api_key_env``, ``log_dir``, ``device``; ``python``: None = this
+    interpreter). Thread-safe.
     """
 
     def __init__(self, launch: str = "embedded", host: str = "127.0.0.1", port: int = 0,
                  startup_timeout_s: float = 300.0, extra_args: list[str] | None = None,
-                 api_key_env: str | None = None, log_dir: str | None = None):
+                 api_key_env: str | None = None, log_dir: str | None = None, device: str = "auto",
+                 python: str | None = None):
         if launch not in LAUNCH_KINDS:
             raise ValueError(f"launch must be one of {LAUNCH_KINDS}, got {launch!r}")
         self.launch, self.host, self.port = launch, host, port
         self.startup_timeout_s, self.extra_args = startup_timeout_s, list(extra_args or [])
         self.api_key_env, self.log_dir = api_key_env, log_dir
+        self.device, self.python = device, python or sys.executable
         self.server: LaunchedServer | None = None
         self._capture: AuxCapture | None = None
         self._lock = threading.Lock()
@@ -68,7 +72,8 @@ class ServerLauncher:
             self.server = launch_server(
                 str(model_path), launch=self.launch, host=self.host, port=self.port,
                 startup_timeout_s=self.startup_timeout_s, extra_args=list(self.extra_args),
-                api_key_env=self.api_key_env, log_dir=self.log_dir, aux_capture=aux_capture,
+                api_key_env=self.api_key_env, log_dir=self.log_dir, aux_capture=aux_capture, device=self.device,
+                python=self.python,
             )
             self._capture = aux_capture
             return self.server.url
@@ -112,6 +117,8 @@ class SGLangServerResource(dg.ConfigurableResource):
             flags such as ``["--tp", "8"]``).
         api_key_env: environment variable holding the API key; the launched server requires it and clients send it.
         log_dir: directory for the launched server's log (default: a temp directory).
+        device: for ``launch: sglang``: ``auto`` (CPU when torch sees no CUDA device), ``cpu`` or ``cuda``.
+        python: for ``launch: sglang``: the interpreter of an environment with SGLang (default this one).
         shared: key of a :func:`shared_launcher` of this process: launch through it, and leave the server running
             when the run ends (the launch settings are the launcher's; the fields above are then unused).
     """
@@ -125,6 +132,8 @@ class SGLangServerResource(dg.ConfigurableResource):
     extra_args: list[str] = []
     api_key_env: str | None = None
     log_dir: str | None = None
+    device: str = "auto"
+    python: str | None = None
     shared: str | None = None
 
     _own: ServerLauncher | None = PrivateAttr(default=None)
@@ -187,7 +196,7 @@ class SGLangServerResource(dg.ConfigurableResource):
                 self._own = ServerLauncher(launch=self.launch, host=self.host, port=self.port,
                                            startup_timeout_s=self.startup_timeout_s,
                                            extra_args=list(self.extra_args), api_key_env=self.api_key_env,
-                                           log_dir=self.log_dir)
+                                           log_dir=self.log_dir, device=self.device, python=self.python)
             return self._own
 
     @property

@@ -53,7 +53,9 @@ class TargetSpec(StrictModel):
 
 class ServerSpec(StrictModel):
     """Where generations come from: ``url`` (one SGLang server / sglang-router URL or a list) or, when null, a
-    server launched by the pipeline (``launch``: embedded | sglang)."""
+    server launched by the pipeline (``launch``: embedded | sglang). For ``launch: sglang``: ``device`` (auto = CPU
+    when torch sees no CUDA device; on CPU SGLang's CPU engine, ``serving.launch.cpu_server_args``) and ``python``
+    (the interpreter of an environment with SGLang; null = the pipeline's own)."""
 
     url: str | list[str] | None = None
     launch: Literal["embedded", "sglang"] = "embedded"
@@ -61,6 +63,8 @@ class ServerSpec(StrictModel):
     timeout_s: float = Field(600, gt=0)
     api_key_env: str | None = None
     extra_args: list[str] = Field(default_factory=list)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    python: str | None = None
 
     @property
     def urls(self) -> list[str]:

@@ -2,9 +2,13 @@
 
 - ``embedded``: ``python -m eagle_assets.serving.server --model-path DIR --host H --port P``; with port 0 the server
   binds any free port and prints ``EAGLE_ASSETS_SERVER_READY http://H:PORT``, which is read from its log.
-- ``sglang``: ``python -m sglang.launch_server --model-path DIR --host H --port P`` (needs a GPU host with
-  ``pip install 'eagle-assets[sglang]'``); a free port is chosen first when port is 0, and readiness is
-  ``GET /health`` answering 200 (SGLang answers 503 until its warm-up request has run).
+- ``sglang``: ``python -m sglang.launch_server --model-path DIR --host H --port P``, with the ``python`` of an
+  environment that has SGLang (default this one: ``pip install 'eagle-assets[sglang]'`` on a GPU host); a free port
+  is chosen first when port is 0, and readiness is ``GET /health`` answering 200 (SGLang answers 503 until its
+  warm-up request has run). ``device``: ``cuda``, ``cpu``, or ``auto`` (``cpu`` when torch sees no CUDA device).
+  On ``cpu`` the server runs SGLang's CPU engine (:func:`cpu_server_args`: ``SGLANG_USE_CPU_ENGINE=1``,
+  ``--device cpu``, the checkpoint's stored dtype, ``--disable-overlap-schedule``), which needs SGLang's CPU kernel
+  package ``sgl_kernel`` importable (PyPI has no x86 CPU build of it: build it from SGLang's source).
 - ``aux_capture`` (served drafter features): both kinds get SGLang's capture-only flags
   (``--speculative-algorithm EAGLE3 --enable-return-aux-hidden-states [--return-aux-hidden-state-layer-ids ..]``,
   which our server mirrors); SGLang also ``--disable-radix-cache`` and a ``--chunked-prefill-size`` that holds the
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -37,6 +42,7 @@ from typing import Iterator, Sequence
 from eagle_assets.serving.aux_capture import AuxCapture
 
 LAUNCH_KINDS = ("embedded", "sglang")
+DEVICES = ("auto", "cpu", "cuda")
 # printed by eagle_assets.serving.server once it accepts connections, followed by its base URL
 READY_PREFIX = "EAGLE_ASSETS_SERVER_READY"
 
@@ -135,6 +141,49 @@ def _ready_url(log_path: Path) -> str | None:
     return None
 
 
+def resolve_device(device: str) -> str:
+    """``cpu`` or ``cuda``: ``auto`` is ``cuda`` when torch sees a CUDA device, else ``cpu``.
+
+    Raises:
+        ValueError: a device not in :data:`DEVICES`.
+    """
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cpu_server_args(model_path: str, given: Sequence[str] = ()) -> list[str]:
+    """SGLang's flags for its CPU engine, those the user already put in ``given`` left out: ``--device cpu``, the
+    checkpoint's stored dtype (``--dtype``; SGLang's ``auto`` serves a float32 checkpoint as float16, which on a CPU is
+    slow and not what the weights say) and ``--disable-overlap-schedule`` (the overlap scheduler needs CUDA streams).
+    """
+    present = set(given)
+    args = [] if "--device" in present else ["--device", "cpu"]
+    if "--dtype" not in present:
+        args += ["--dtype", _stored_dtype(model_path)]
+    if "--disable-overlap-schedule" not in present:
+        args.append("--disable-overlap-schedule")
+    return args
+
+
+def _stored_dtype(model_path: str) -> str:
+    """The dtype ``config.json`` stores the weights in (``dtype`` / ``torch_dtype``, top level or ``text_config``);
+    ``auto`` when there is no readable local config (a hub id: SGLang reads it itself)."""
+    try:
+        config = json.loads((Path(os.path.expanduser(model_path)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "auto"
+    for level in (config, config.get("text_config") or {}):
+        name = level.get("dtype") or level.get("torch_dtype") if isinstance(level, dict) else None
+        if name in ("float32", "bfloat16", "float16"):
+            return name
+    return "auto"
+
+
 def server_command(
     model_path: str,
     *,
@@ -146,12 +195,14 @@ def server_command(
     api_key: str | None = None,
     python: str = sys.executable,
     aux_capture: AuxCapture | None = None,
+    device: str = "cuda",
 ) -> tuple[list[str], list[str]]:
     """The command line :func:`launch_server` runs, and the same with the API key replaced by ``***``.
 
     ``embedded``: ``python -m eagle_assets.serving.server --model-path M --host H --port P --exit-with-parent
     [--api-key-env VAR]``; ``sglang``: ``python -m sglang.launch_server --model-path M --host H --port P
-    [--api-key KEY]``; then ``extra_args``, then the capture flags of ``aux_capture``
+    [--api-key KEY]`` (with ``device`` ``cpu``: :func:`cpu_server_args`); then ``extra_args``, then the capture flags
+    of ``aux_capture``
     (:meth:`~eagle_assets.serving.aux_capture.AuxCapture.server_args`, e.g. from ``AuxCapture.for_target``, which
     names ``--return-aux-hidden-state-layer-ids`` only for a non-default capture set), skipping flags the user
     already put in ``extra_args``.
@@ -172,6 +223,8 @@ def server_command(
             cmd += ["--api-key", api_key]
             shown += ["--api-key", "***"]
     extra = list(extra_args)
+    if launch == "sglang" and device == "cpu":
+        extra = cpu_server_args(model_path, extra) + extra
     if aux_capture is not None:
         extra += aux_capture.server_args(launch, extra)
     return cmd + extra, shown + extra
@@ -189,6 +242,7 @@ def launch_server(
     log_dir: str | Path | None = None,
     python: str = sys.executable,
     aux_capture: AuxCapture | None = None,
+    device: str = "auto",
 ) -> LaunchedServer:
     """Start a server for ``model_path`` and return once ``/health`` answers 200.
 
@@ -202,11 +256,12 @@ def launch_server(
         api_key_env: environment variable holding the API key the server must require. The embedded server reads
             it from its environment; SGLang only takes ``--api-key`` on its command line.
         log_dir: where the log file goes (default: a new temp directory).
-        python: interpreter for the child.
+        python: interpreter for the child (for ``sglang``: one whose environment has SGLang).
         aux_capture: launch the server in aux-hidden-state capture mode (flags the user already put in
             ``extra_args`` win).
+        device: for ``sglang``: ``auto`` | ``cpu`` | ``cuda`` (see the module docstring).
     Raises:
-        ValueError: unknown ``launch``, or ``api_key_env`` set but empty.
+        ValueError: unknown ``launch`` or ``device``, or ``api_key_env`` set but empty.
         FileNotFoundError: ``model_path`` is a filesystem path (absolute, ``./``, ``~``) that does not exist.
         RuntimeError: the process exited before becoming ready (message quotes the log tail).
         TimeoutError: not ready within ``startup_timeout_s`` (the process is stopped first).
@@ -223,14 +278,19 @@ def launch_server(
             raise ValueError(f"api_key_env={api_key_env!r} names an unset or empty environment variable")
     log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="eagle-assets-server-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    env = None
     if launch == "sglang":
         port = port or free_port(host)
+        device = resolve_device(device)
+        if device == "cpu":
+            env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
     cmd, shown = server_command(str(model_path), launch=launch, host=host, port=port, extra_args=extra_args,
-                                api_key_env=api_key_env, api_key=api_key, python=python, aux_capture=aux_capture)
+                                api_key_env=api_key_env, api_key=api_key, python=python, aux_capture=aux_capture,
+                                device=device)
     log_path = log_dir / f"{launch}-server-{os.getpid()}-{int(time.time() * 1000)}.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
-            cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env
         )
     server = LaunchedServer(url="", model_path=str(model_path), launch=launch, process=process, log_path=log_path,
                             command=shown)
