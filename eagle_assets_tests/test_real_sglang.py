@@ -105,3 +105,87 @@ def test_every_partition_generates_what_the_embedded_server_generates(runs):
              for root in (embedded, sglang)]
     assert turns[0] == turns[1] and len(turns[0]) > 60
     assert {r["turn"] for r in turns[0]} >= {1, 2, 3}
+
+
+@pytest.fixture(scope="module")
+def servers(sglang_python, demo_target, monkeypatch_module):
+    """(the real SGLang server, the embedded server), both serving the shipped demo target."""
+    from eagle_assets.serving.launch import launched_server
+
+    for name, value in sglang_env().items():
+        monkeypatch_module.setenv(name, value)
+    with launched_server(str(demo_target), launch="sglang", python=str(sglang_python), device="cpu",
+                         extra_args=CPU_ARGS) as real, launched_server(str(demo_target)) as ours:
+        yield real, ours
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def _outcome(url: str, body: dict, vocab_size: int | None = None):
+    """What our client makes of the server's reply to ``body``: the reply, or the failure after its retries."""
+    import orjson
+
+    from eagle_assets.serving.client import GenerateClient
+    from eagle_assets.serving.protocol import parse_generate_reply
+
+    client = GenerateClient([url], max_attempts=3, backoff_base_s=0.01, backoff_max_s=0.05, timeout_s=60)
+    ids = body["input_ids"]
+    (result,) = client.post_all([("r", orjson.dumps(body))],
+                                lambda rid, raw: parse_generate_reply(raw, ids, vocab_size, rid=None))
+    return result
+
+
+def test_the_client_reads_sglangs_own_error_replies_as_it_reads_ours(servers):
+    from eagle_assets.serving.protocol import GenerateFailure
+
+    real, ours = servers
+    cases = {  # SGLang's own refusals: HTTP 400 with {"error": {"message"}}, never retried
+        "over-long prompt": ({"input_ids": [5] * 5000, "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+                             "longer than the model's context length (4096 tokens)"),
+        "bad sampling param": ({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": -1}},
+                               "temperature must be a"),
+        "top_p out of range": ({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "top_p": 2}},
+                               "top_p must be in (0, 1], got 2"),
+    }
+    for name, (body, message) in cases.items():
+        for server in (real, ours):
+            got = _outcome(server.url, body)
+            assert isinstance(got, GenerateFailure), (name, server.launch, got)
+            assert (got.kind, got.attempts) == ("bad_request", 1) and message in got.last_error, (name, got)
+    # a good request, for contrast: both answer it, with the same ids
+    good = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    assert _outcome(real.url, good).output_ids == _outcome(ours.url, good).output_ids
+
+
+def test_an_out_of_vocab_id_is_refused_before_it_reaches_sglang_whose_scheduler_it_would_kill(servers, demo_target):
+    """SGLang 0.5.23 does not check input ids: an id past the vocab reaches its embedding and kills the scheduler
+    (the whole server exits). Our client refuses it before sending (vocab check), and the server stays up."""
+    from eagle_assets.serving.client import GenerateClient
+    from eagle_assets.serving.protocol import GenerateFailure, SamplingParams
+    from eagle_assets.target_model.config import config_vocab_size
+
+    real, _ = servers
+    vocab = config_vocab_size(demo_target)
+    client = GenerateClient([real.url], max_attempts=2, backoff_base_s=0.01, timeout_s=60)
+    (refused,) = client.generate_all([("r", [5, 6, vocab + 7])], SamplingParams(max_new_tokens=4), vocab_size=vocab)
+    assert isinstance(refused, GenerateFailure) and (refused.kind, refused.attempts) == ("bad_input", 0)
+    assert real.alive()
+
+
+def test_a_request_after_the_server_stopped_fails_as_a_connection_error(servers, demo_target):
+    """The module's last test: it stops the module's real server."""
+    from eagle_assets.serving.client import GenerateClient, ServerUnavailable, run_sync
+    from eagle_assets.serving.protocol import GenerateFailure, SamplingParams
+
+    real, _ = servers
+    client = GenerateClient([real.url], max_attempts=2, backoff_base_s=0.01, timeout_s=30)
+    assert run_sync(client.probe())[real.url]["model_path"] == str(demo_target)
+    real.stop()
+    (gone,) = client.generate_all([("r", [5, 6, 7])], SamplingParams(max_new_tokens=4))
+    assert isinstance(gone, GenerateFailure) and gone.kind == "connection" and gone.attempts == 2, gone
+    with pytest.raises(ServerUnavailable, match="refused|connect"):
+        run_sync(client.probe(attempts=1))

@@ -19,7 +19,8 @@ What replaced the hand-written sensors (see docs/scaling.md):
   ``training_mix`` and ``drafter_checkpoint`` run after any partition's QC data changed (a change that happened,
   never one merely requested in the same tick), once no ``qc_shards`` partition is missing or in a run or
   backfill (``~any_deps_missing``, ``~any_deps_in_progress``), and never twice at once (``~in_progress``). A
-  partition whose QC failed is left out by the assets themselves (``qc.status.passing_datasets``), as in ``training_job``.
+  partition whose QC failed is left out by the assets themselves (``qc.status.passing_datasets``), as in
+  ``training_job``.
 
 ``dataset_qc`` (datasets split into chunks) is ``eager`` over its ``qc_shards`` chunks: it is requested once every
 chunk of its dataset is materialized and none is in a run, then again whenever a chunk's QC data changes.

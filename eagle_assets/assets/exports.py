@@ -66,7 +66,8 @@ def _export_asset(fmt: TrainerFormat) -> dg.AssetsDefinition:
                       "partitions": keys, "mix_mode": mix_summary.get("mode")}
         try:
             report = export_mixed_rows(
-                mix_dir / "mix.parquet", {k: dataset_shard_paths(settings.layout(), settings.catalog(), k) for k in keys},
+                mix_dir / "mix.parquet",
+                {k: dataset_shard_paths(settings.layout(), settings.catalog(), k) for k in keys},
                 layout.stage_dir(f"{fmt.name}_export"), fmt, rows_per_shard=config.rows_per_shard,
                 provenance=provenance)
         except (ExportError, ValueError) as exc:

@@ -81,7 +81,9 @@ def _raw_prompts_partition(context: dg.AssetExecutionContext, settings: Pipeline
                                     seed=spec.seed, limit=spec.limit)
     rows, available, rejected, reasons = result.rows, result.available, result.rejected, result.reasons
     if rejected:
-        context.log.warning(f"{rejected} records rejected ({dict(reasons.most_common())}); see {out / 'rejects.parquet'}")
+        context.log.warning(
+            f"{rejected} records rejected ({dict(reasons.most_common())}); see {out / 'rejects.parquet'}"
+        )
     if chunk is not None and result.parsed:
         # the other chunks read their rows from this parse; their materializations say so in metadata
         # (``parsed_sources``, ``dataset_parse``) instead of a log event per chunk run
@@ -175,14 +177,16 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
     def tokenized_prompts(
         context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel
     ) -> dg.MaterializeResult:
-        """Prompt token ids from the target's chat template (add_generation_prompt=True), rendered once, never re-tokenized."""
+        """Prompt token ids from the target's chat template (add_generation_prompt=True), rendered once, never
+        re-tokenized."""
         key = context.partition_key
         catalog = settings.catalog()
         spec = catalog.partition(key)
         layout = settings.layout()
         setup = target.setup(catalog.target.profile)
         out = layout.stage_dir("tokenized_prompts", key)
-        # record batches in, one row group per batch out (tokenized_prompts.write): memory does not grow with the partition
+        # record batches in, one row group per batch out (tokenized_prompts.write): memory does not grow with the
+        # partition
         result = tokenize_partition(layout.stage_dir("raw_prompts", key) / "prompts.parquet", out, setup.tokenizer,
                                     setup.profile, enable_thinking=_first_mode(spec),
                                     max_prompt_tokens=spec.max_prompt_tokens,

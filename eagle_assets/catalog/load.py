@@ -47,7 +47,8 @@ class Catalog(StrictModel):
     def _keys(cls, v: dict[str, PartitionSpec]) -> dict[str, PartitionSpec]:
         for key in v:
             if not PARTITION_KEY_RE.match(key):
-                raise ValueError(f"partition key {key!r} must match {PARTITION_KEY_RE.pattern} (letters, digits, '_' and '-'; no path separators or dots)")
+                raise ValueError(f"partition key {key!r} must match {PARTITION_KEY_RE.pattern} "
+                                 "(letters, digits, '_' and '-'; no path separators or dots)")
         return v
 
     @model_validator(mode="after")
@@ -157,13 +158,15 @@ def _expand_env(value: Any, where: str, file: Path) -> Any:
             return os.environ[name]
         if default is not None:
             return default
-        raise CatalogError(file, where, f"environment variable {name} is not set", f"export {name}=... or write ${{{name}:-default}}")
+        raise CatalogError(file, where, f"environment variable {name} is not set",
+                           f"export {name}=... or write ${{{name}:-default}}")
 
     return _ENV_RE.sub(sub, value)
 
 
 _FIXES = {
-    "max_new_tokens": "set sampling.max_new_tokens explicitly (SGLang silently generates at most 128 tokens when it is missing)",
+    "max_new_tokens": ("set sampling.max_new_tokens explicitly (SGLang silently generates at most 128 tokens when it "
+                       "is missing)"),
     "sources": "list at least one {path: ..., format: ...}",
     "sampling": "add a sampling block with at least max_new_tokens",
     "partitions": "define at least one partition under 'partitions:'",
@@ -209,7 +212,8 @@ def _catalog_error(file: Path, err: ValidationError) -> CatalogError:
     fix = _FIXES.get(last, "")
     if kind == "extra_forbidden":
         close = difflib.get_close_matches(last, sorted(_all_field_names()), n=1)
-        fix = (f"did you mean {close[0]!r}? " if close else "") + "remove it or fix its spelling; see catalogs/default.yaml for the accepted fields"
+        fix = ((f"did you mean {close[0]!r}? " if close else "")
+               + "remove it or fix its spelling; see catalogs/default.yaml for the accepted fields")
     more = len(errors) - 1
     if more:
         fix = (fix + "; " if fix else "") + f"{more} more problem(s) after this one"
@@ -226,7 +230,8 @@ def load_catalog(path: str | Path) -> Catalog:
     """
     file = Path(path).expanduser().resolve()
     if not file.is_file():
-        raise CatalogError(file, "<file>", "catalog file does not exist", f"create it or point ${CATALOG_ENV} at an existing catalog")
+        raise CatalogError(file, "<file>", "catalog file does not exist",
+                           f"create it or point ${CATALOG_ENV} at an existing catalog")
     try:
         raw = yaml.safe_load(file.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
@@ -234,7 +239,9 @@ def load_catalog(path: str | Path) -> Catalog:
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<yaml>"
         raise CatalogError(file, where, f"invalid YAML ({getattr(e, 'problem', e)})", "fix the YAML syntax") from None
     if not isinstance(raw, dict):
-        raise CatalogError(file, "<top level>", f"expected a mapping with target/server/partitions/training, got {type(raw).__name__}", "see catalogs/default.yaml")
+        raise CatalogError(file, "<top level>",
+                           f"expected a mapping with target/server/partitions/training, got {type(raw).__name__}",
+                           "see catalogs/default.yaml")
     raw = _expand_env(raw, "", file)
     try:
         catalog = Catalog.model_validate(raw)

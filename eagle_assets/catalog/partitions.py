@@ -47,7 +47,8 @@ class TargetSpec(StrictModel):
     def _override_keys(cls, v: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(v) - set(PROFILE_OVERRIDE_KEYS))
         if unknown:
-            raise ValueError(f"unknown profile override(s) {unknown}; use {sorted(PROFILE_OVERRIDE_KEYS)} (token text or id)")
+            raise ValueError(f"unknown profile override(s) {unknown}; use {sorted(PROFILE_OVERRIDE_KEYS)} "
+                             "(token text or id)")
         return v
 
 
@@ -105,7 +106,8 @@ class ShareLevels(StrictModel):
     @model_validator(mode="after")
     def _warn_below_error(self) -> ShareLevels:
         if self.warn is not None and self.error is not None and self.warn > self.error:
-            raise ValueError(f"warn ({self.warn}) is above error ({self.error}); the warning level must not exceed the error level")
+            raise ValueError(f"warn ({self.warn}) is above error ({self.error}); "
+                             "the warning level must not exceed the error level")
         return self
 
 
@@ -140,7 +142,8 @@ class Thresholds(StrictModel):
         for kind in ("short", "truncated", "dropped"):
             warn, err = getattr(self, f"max_share_{kind}_warn"), getattr(self, f"max_share_{kind}_error")
             if warn > err:
-                raise ValueError(f"max_share_{kind}_warn ({warn}) is above max_share_{kind}_error ({err}); the warning level must not exceed the error level")
+                raise ValueError(f"max_share_{kind}_warn ({warn}) is above max_share_{kind}_error ({err}); "
+                                 "the warning level must not exceed the error level")
         return self
 
 

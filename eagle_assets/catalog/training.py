@@ -187,7 +187,8 @@ class TrainingSpec(StrictModel):
     @classmethod
     def _three_layers(cls, v: list[int] | None) -> list[int] | None:
         if v is not None and (len(v) != 3 or any(i < 0 for i in v)):
-            raise ValueError("aux_layer_ids must be null (SGLang default [2, L//2, L-3]) or three non-negative layer ids")
+            raise ValueError("aux_layer_ids must be null (SGLang default [2, L//2, L-3]) or three non-negative "
+                             "layer ids")
         return v
 
     @model_validator(mode="after")

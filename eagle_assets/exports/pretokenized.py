@@ -299,7 +299,8 @@ def _stats(con, fmt: TrainerFormat) -> dict[str, Any]:
     rejected = dict(con.sql("SELECT reject, count(*) FROM mixed WHERE reject IS NOT NULL GROUP BY ALL "
                             "ORDER BY 1").fetchall())
     return {"rows": int(rows), "tokens": int(tokens), "loss_tokens": int(loss_tokens), "max_tokens": int(max_tokens),
-            "rows_over_default_max_length": int(over), "rows_per_partition": {k: int(v) for k, v in per_partition.items()},
+            "rows_over_default_max_length": int(over),
+            "rows_per_partition": {k: int(v) for k, v in per_partition.items()},
             "rejected": {k: int(v) for k, v in rejected.items()}}
 
 

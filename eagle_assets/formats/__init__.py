@@ -150,7 +150,8 @@ def detect_format(path: str | Path) -> str:
             break
     name = _detect(sample)
     if name is None:
-        raise FormatError(f"{path}: cannot detect the layout: " + (_undetected_detail(sample) if sample else "the file holds no records"))
+        raise FormatError(f"{path}: cannot detect the layout: "
+                          + (_undetected_detail(sample) if sample else "the file holds no records"))
     return name
 
 
@@ -210,4 +211,5 @@ def load_records(path: str | Path, fmt: str = "auto") -> Iterator[Conversation |
         except RecordError as e:
             yield Rejected(row, e.reason, _printable(e.detail))
         except Exception as e:  # noqa: BLE001 - whatever a record holds, it costs only itself
-            yield Rejected(row, MALFORMED_RECORD, _printable(f"{detected} record could not be normalized ({type(e).__name__}: {e})"))
+            yield Rejected(row, MALFORMED_RECORD,
+                           _printable(f"{detected} record could not be normalized ({type(e).__name__}: {e})"))

@@ -49,7 +49,8 @@ def parse(record: Any, row: int) -> Conversation:
         messages.append({"role": "system", "content": system})
     history = record.get("history") or []
     if not isinstance(history, list):
-        raise RecordError(BAD_FIELD_TYPE, f"alpaca field 'history' is a {type(history).__name__}, expected [[query, response], ...]")
+        raise RecordError(BAD_FIELD_TYPE,
+                          f"alpaca field 'history' is a {type(history).__name__}, expected [[query, response], ...]")
     for i, pair in enumerate(history):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
             raise RecordError(BAD_FIELD_TYPE, f"alpaca history[{i}] is not a [query, response] pair of strings")

@@ -121,17 +121,21 @@ class FuncDocs:
 def _multi_turn_functions(record: dict, docs: FuncDocs | None) -> list[Any]:
     classes = record.get("involved_classes")
     if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
-        raise RecordError(BAD_FIELD_TYPE, f"bfcl field 'involved_classes' is a {type(classes).__name__}, expected a list of class names")
+        raise RecordError(BAD_FIELD_TYPE, f"bfcl field 'involved_classes' is a {type(classes).__name__}, "
+                          "expected a list of class names")
     if docs is None:
-        raise RecordError(MISSING_TOOL_DOCS, f"involved classes {classes} need the multi_turn_func_doc/ directory; load the file by path (load_records) so it can be found")
+        raise RecordError(MISSING_TOOL_DOCS, f"involved classes {classes} need the multi_turn_func_doc/ directory; "
+                          "load the file by path (load_records) so it can be found")
     functions = [f for cls in classes for f in docs.functions(cls)]
     missed = record.get("missed_function") or {}
     if not isinstance(missed, dict):
-        raise RecordError(BAD_FIELD_TYPE, f"bfcl field 'missed_function' is a {type(missed).__name__}, expected {{turn: [names]}}")
+        raise RecordError(BAD_FIELD_TYPE,
+                          f"bfcl field 'missed_function' is a {type(missed).__name__}, expected {{turn: [names]}}")
     # A function missed until turn k > 0 is not available in the first turn (BFCL removes it from the doc list).
     held_out = {n for turn, names in missed.items() if str(turn) != "0" and isinstance(names, list)
                 for n in names if isinstance(n, str)}
-    return [f for f in functions if not (isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"] in held_out)]
+    return [f for f in functions
+            if not (isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"] in held_out)]
 
 
 def parse(record: Any, row: int, docs: FuncDocs | None = None) -> Conversation:
@@ -152,7 +156,8 @@ def parse(record: Any, row: int, docs: FuncDocs | None = None) -> Conversation:
     for i, msg in enumerate(first):
         where = f"question[0][{i}]"
         if not isinstance(msg, dict):
-            raise RecordError(BAD_FIELD_TYPE, f"{where} is a {type(msg).__name__}, expected an object with role/content")
+            raise RecordError(BAD_FIELD_TYPE,
+                              f"{where} is a {type(msg).__name__}, expected an object with role/content")
         role = canonical_role(msg.get("role"))
         text, reasoning, calls = content_text(msg.get("content"), where)
         messages.append(make_message(role, text, where, reasoning=reasoning, tool_calls=calls or msg.get("tool_calls")))

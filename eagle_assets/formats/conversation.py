@@ -147,7 +147,8 @@ def content_text(content: Any, where: str) -> tuple[str, str | None, list[Any]]:
     if isinstance(content, str):
         return content, None, []
     if not isinstance(content, list):
-        raise RecordError(BAD_FIELD_TYPE, f"{where}: content is a {type(content).__name__}, expected text or a list of parts")
+        raise RecordError(BAD_FIELD_TYPE,
+                          f"{where}: content is a {type(content).__name__}, expected text or a list of parts")
     texts: list[str] = []
     reasoning: list[str] = []
     calls: list[Any] = []
@@ -169,7 +170,8 @@ def content_text(content: Any, where: str) -> tuple[str, str | None, list[Any]]:
         elif kind in ("tool_call", "function_call"):
             calls.append(value)
         else:
-            raise RecordError(BAD_FIELD_TYPE, f"{where}: content part {i} has type {kind!r}; only text parts are supported")
+            raise RecordError(BAD_FIELD_TYPE,
+                              f"{where}: content part {i} has type {kind!r}; only text parts are supported")
     return "".join(texts), ("\n".join(reasoning) if reasoning else None), calls
 
 
@@ -214,11 +216,14 @@ def parse_arguments(arguments: Any, where: str) -> dict[str, Any]:
         try:
             value = json.loads(arguments)
         except json.JSONDecodeError as e:
-            raise RecordError(INVALID_TOOL_ARGUMENTS, f"{where}: arguments are not valid JSON ({e.msg} at char {e.pos}): {arguments[:120]!r}") from None
+            raise RecordError(INVALID_TOOL_ARGUMENTS, f"{where}: arguments are not valid JSON ({e.msg} at char "
+                              f"{e.pos}): {arguments[:120]!r}") from None
         if isinstance(value, dict):
             return value
-        raise RecordError(INVALID_TOOL_ARGUMENTS, f"{where}: arguments decode to a {type(value).__name__}, expected a JSON object")
-    raise RecordError(INVALID_TOOL_ARGUMENTS, f"{where}: arguments are a {type(arguments).__name__}, expected a JSON object or string")
+        raise RecordError(INVALID_TOOL_ARGUMENTS,
+                          f"{where}: arguments decode to a {type(value).__name__}, expected a JSON object")
+    raise RecordError(INVALID_TOOL_ARGUMENTS,
+                      f"{where}: arguments are a {type(arguments).__name__}, expected a JSON object or string")
 
 
 def normalize_tool_call(call: Any, where: str) -> dict[str, Any]:
@@ -228,7 +233,8 @@ def normalize_tool_call(call: Any, where: str) -> dict[str, Any]:
         try:
             call = json.loads(call)
         except json.JSONDecodeError as e:
-            raise RecordError(INVALID_TOOL_ARGUMENTS, f"{where}: tool call is not valid JSON ({e.msg}): {call[:120]!r}") from None
+            raise RecordError(INVALID_TOOL_ARGUMENTS,
+                              f"{where}: tool call is not valid JSON ({e.msg}): {call[:120]!r}") from None
     if not isinstance(call, dict):
         raise RecordError(INVALID_TOOL_CALL, f"{where}: tool call is a {type(call).__name__}, expected an object")
     fn = call.get("function") if isinstance(call.get("function"), dict) else call
@@ -248,7 +254,8 @@ def normalize_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         try:
             calls = json.loads(calls)
         except json.JSONDecodeError as e:
-            raise RecordError(INVALID_TOOL_ARGUMENTS, f"{where}: tool calls are not valid JSON ({e.msg}): {calls[:120]!r}") from None
+            raise RecordError(INVALID_TOOL_ARGUMENTS,
+                              f"{where}: tool calls are not valid JSON ({e.msg}): {calls[:120]!r}") from None
     if isinstance(calls, dict):
         calls = [calls]
     if not isinstance(calls, list):
@@ -354,7 +361,8 @@ def normalize_tools(tools: Any, where: str = "tools") -> list[dict[str, Any]] | 
         if params is None:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
-            raise RecordError(INVALID_TOOLS, f"{where}[{i}] ({name}): parameters is a {type(params).__name__}, expected a JSON schema object")
+            raise RecordError(INVALID_TOOLS, f"{where}[{i}] ({name}): parameters is a {type(params).__name__}, "
+                              "expected a JSON schema object")
         spec: dict[str, Any] = {"name": name}
         if isinstance(fn.get("description"), str):
             spec["description"] = fn["description"]
@@ -409,7 +417,8 @@ def require(record: Any, key: str, kind: type | tuple[type, ...], layout: str) -
     if not isinstance(record, dict):
         raise RecordError(NOT_AN_OBJECT, f"{layout} record is a {type(record).__name__}, expected a JSON object")
     if record.get(key) is None:
-        raise RecordError(MISSING_FIELD, f"{layout} record has no {key!r} field, or it is null (keys: {sorted(record)[:12]})")
+        raise RecordError(MISSING_FIELD,
+                          f"{layout} record has no {key!r} field, or it is null (keys: {sorted(record)[:12]})")
     value = record[key]
     if not isinstance(value, kind):
         names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
@@ -501,7 +510,8 @@ def _check_tool(tool: Any, where: str) -> None:
     if not (isinstance(name, str) and name.strip()):
         raise RecordError(INVALID_TOOLS, f"{where}: function schema has no name")
     if "description" in fn and not isinstance(fn["description"], str):
-        raise RecordError(INVALID_TOOLS, f"{where} ({name}): description is a {type(fn['description']).__name__}, expected text")
+        raise RecordError(INVALID_TOOLS,
+                          f"{where} ({name}): description is a {type(fn['description']).__name__}, expected text")
     params = fn.get("parameters")
     if not (isinstance(params, dict) and params.get("type") == "object"):
         raise RecordError(INVALID_TOOLS, f"{where} ({name}): parameters are not a JSON schema of type 'object'")
@@ -539,10 +549,12 @@ def check_conversation(conv: Conversation) -> Conversation:
             raise RecordError(UNKNOWN_ROLE, f"{where}: role {role!r} is not one of {list(VALID_ROLES)}")
         for key in ("content", "reasoning_content", "name"):
             if (key == "content" or key in m) and not isinstance(m.get(key), str):
-                raise RecordError(BAD_FIELD_TYPE, f"{where} ({role}): {key} is a {type(m.get(key)).__name__}, expected text")
+                raise RecordError(BAD_FIELD_TYPE,
+                                  f"{where} ({role}): {key} is a {type(m.get(key)).__name__}, expected text")
         if "tool_calls" in m:
             if role != "assistant" or not isinstance(m["tool_calls"], list):
-                raise RecordError(INVALID_TOOL_CALL, f"{where} ({role}): tool_calls must be a list on an assistant message")
+                raise RecordError(INVALID_TOOL_CALL,
+                                  f"{where} ({role}): tool_calls must be a list on an assistant message")
             for j, call in enumerate(m["tool_calls"]):
                 _check_tool_call(call, f"{where} call {j}")
     if not any(m["role"] == "user" and m["content"].strip() for m in msgs):
@@ -555,12 +567,15 @@ def check_conversation(conv: Conversation) -> Conversation:
     for where, value in (("messages", msgs), ("tools", conv.tools)):
         bad = _first_path(value, _non_finite, where)
         if bad is not None:
-            raise RecordError(NON_FINITE_NUMBER, f"{bad} is NaN or Infinity, which strict JSON (and a chat template's tojson) cannot hold")
+            raise RecordError(NON_FINITE_NUMBER,
+                              f"{bad} is NaN or Infinity, which strict JSON (and a chat template's tojson) cannot hold")
         try:
             json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
         except UnicodeEncodeError as e:
             bad = _first_path(value, _bad_unicode, where)
-            raise RecordError(INVALID_UNICODE, f"{bad} holds {_describe_bad_char(e.object[e.start])}: it cannot be encoded as UTF-8 or tokenized; repair the text in the source") from None
+            raise RecordError(INVALID_UNICODE, f"{bad} holds {_describe_bad_char(e.object[e.start])}: it cannot be "
+                              "encoded as UTF-8 or tokenized; repair the text in the source") from None
         except (TypeError, ValueError, RecursionError) as e:
-            raise RecordError(MALFORMED_RECORD, f"the normalized {where} are not JSON-serialisable ({type(e).__name__}: {e})") from None
+            raise RecordError(MALFORMED_RECORD,
+                              f"the normalized {where} are not JSON-serialisable ({type(e).__name__}: {e})") from None
     return conv

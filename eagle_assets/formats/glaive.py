@@ -1,4 +1,5 @@
-"""glaive-function-calling-v2 raw text layout: ``{"system": "SYSTEM: ...", "chat": "USER: ...\\n\\n\\nASSISTANT: ..."}``.
+"""glaive-function-calling-v2 raw text layout:
+``{"system": "SYSTEM: ...", "chat": "USER: ...\\n\\n\\nASSISTANT: ..."}``.
 
 The system text is ``SYSTEM: You are a helpful assistant with access to the following functions. Use them if
 required -`` followed by one or more pretty-printed function JSON schemas separated by blank lines (or ``..., with
@@ -37,7 +38,8 @@ _SPEAKERS = {"SYSTEM": "system", "USER": "user", "ASSISTANT": "assistant", "FUNC
 _SPEAKER_RE = re.compile(r"(?:^|\n)[ \t]*(SYSTEM|USER|ASSISTANT|FUNCTION RESPONSE):[ \t]?")
 _EOT = "<|endoftext|>"
 _CALL_TAG = "<functioncall>"
-_QUOTED_ARGS_RE = re.compile(r'^\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*\'(.*)\'\s*\}$', re.DOTALL)
+_QUOTED_ARGS_RE = re.compile(r'^\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*\'(.*)\'\s*\}$',
+                             re.DOTALL)
 
 
 def matches(record: Any) -> bool:
@@ -63,7 +65,8 @@ def _split_system(system: str) -> tuple[str, list[Any]]:
         try:
             value, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            raise RecordError("invalid_tools", f"system: function schema at char {pos} is not valid JSON ({e.msg})") from None
+            raise RecordError("invalid_tools",
+                              f"system: function schema at char {pos} is not valid JSON ({e.msg})") from None
         schemas.append(value)
         pos = end
     tail = text[pos:].strip()
@@ -78,13 +81,15 @@ def _parse_call(body: str, where: str) -> dict[str, Any]:
     except json.JSONDecodeError:
         m = _QUOTED_ARGS_RE.match(body)
         if not m:
-            raise RecordError(INVALID_TOOL_CALL, f"{where}: <functioncall> body is neither JSON nor name+quoted arguments: {body[:120]!r}") from None
+            raise RecordError(INVALID_TOOL_CALL, f"{where}: <functioncall> body is neither JSON nor name+quoted "
+                              f"arguments: {body[:120]!r}") from None
         name = json.loads(f'"{m.group(1)}"')
         raw = m.group(2)
         try:
             args = json.loads(raw) if raw.strip() else {}
         except json.JSONDecodeError as e:
-            raise RecordError(INVALID_TOOL_ARGUMENTS, f"{where} ({name}): arguments are not valid JSON ({e.msg}): {raw[:120]!r}") from None
+            raise RecordError(INVALID_TOOL_ARGUMENTS,
+                              f"{where} ({name}): arguments are not valid JSON ({e.msg}): {raw[:120]!r}") from None
         call = {"name": name, "arguments": args}
     if not isinstance(call, dict):
         raise RecordError(INVALID_TOOL_CALL, f"{where}: <functioncall> body is a {type(call).__name__}")

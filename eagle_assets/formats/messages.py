@@ -61,12 +61,14 @@ def parse(record: Any, row: int) -> Conversation:
     tools = normalize_tools(record.get("tools"))
     messages: list[dict[str, Any]] = []
     system = record.get("system")
-    if isinstance(system, str) and system.strip() and not (msgs and isinstance(msgs[0], dict) and msgs[0].get("role") == "system"):
+    if (isinstance(system, str) and system.strip()
+            and not (msgs and isinstance(msgs[0], dict) and msgs[0].get("role") == "system")):
         messages.append({"role": "system", "content": system})
     for i, msg in enumerate(msgs):
         where = f"{key}[{i}]"
         if not isinstance(msg, dict):
-            raise RecordError(BAD_FIELD_TYPE, f"{where} is a {type(msg).__name__}, expected an object with role/content")
+            raise RecordError(BAD_FIELD_TYPE,
+                              f"{where} is a {type(msg).__name__}, expected an object with role/content")
         role = canonical_role(msg.get("role"))
         text, part_reasoning, part_calls = content_text(msg.get("content"), where)
         reasoning = msg.get("reasoning_content", msg.get("reasoning"))

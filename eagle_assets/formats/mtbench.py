@@ -30,7 +30,8 @@ SIGNATURE_KEYS = ("turns",)
 
 def matches(record: Any) -> bool:
     """True when the record has a ``turns`` list of strings."""
-    return isinstance(record, dict) and isinstance(record.get("turns"), list) and all(isinstance(t, str) for t in record["turns"])
+    return (isinstance(record, dict) and isinstance(record.get("turns"), list)
+            and all(isinstance(t, str) for t in record["turns"]))
 
 
 def parse(record: Any, row: int) -> Conversation:

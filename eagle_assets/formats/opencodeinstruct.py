@@ -17,7 +17,8 @@ SIGNATURE_KEYS = ("input",)
 
 def matches(record: Any) -> bool:
     """True when the record has string ``input`` and no ``instruction`` (which would make it alpaca)."""
-    return isinstance(record, dict) and isinstance(record.get("input"), str) and "instruction" not in record and "output" in record
+    return (isinstance(record, dict) and isinstance(record.get("input"), str) and "instruction" not in record
+            and "output" in record)
 
 
 def parse(record: Any, row: int) -> Conversation:

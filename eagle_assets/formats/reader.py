@@ -74,7 +74,8 @@ def _check_encoding(path: Path) -> None:
         head = fh.read(4)
     for bom, name in _FOREIGN_BOMS.items():
         if head.startswith(bom):
-            raise FormatError(f"{path}: the file is {name} (byte-order mark {bom!r}), not UTF-8; convert it to UTF-8 JSON or JSON Lines (e.g. iconv -f {name} -t UTF-8)")
+            raise FormatError(f"{path}: the file is {name} (byte-order mark {bom!r}), not UTF-8; convert it to UTF-8 "
+                              f"JSON or JSON Lines (e.g. iconv -f {name} -t UTF-8)")
 
 
 def _parse_line(lineno: int, line: str) -> Any:
@@ -91,9 +92,12 @@ def _load_document(path: Path, what: str) -> Any:
         try:
             return json.load(fh)
         except json.JSONDecodeError as e:
-            raise FormatError(f"{path}: {what} but is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); repair the file or convert it to JSON Lines (one record per line, so one bad record costs only itself)") from None
+            raise FormatError(f"{path}: {what} but is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                              "repair the file or convert it to JSON Lines (one record per line, so one bad record "
+                              "costs only itself)") from None
         except (ValueError, RecursionError) as e:
-            raise FormatError(f"{path}: {what} but cannot be parsed ({type(e).__name__}: {str(e)[:200]}); convert it to JSON Lines (one record per line, so one bad record costs only itself)") from None
+            raise FormatError(f"{path}: {what} but cannot be parsed ({type(e).__name__}: {str(e)[:200]}); convert it "
+                              "to JSON Lines (one record per line, so one bad record costs only itself)") from None
 
 
 _ARRAY_READ_CHARS = 1 << 20  # characters read per refill of the array buffer
@@ -195,7 +199,8 @@ def _iter_array_rows(path: Path) -> Iterator[tuple[int, Any]]:
     try:
         yield from enumerate(_iter_array(path))
     except _ArrayEnd as e:
-        raise FormatError(f"{path}: the file changed while it was read ({e}); read it again once it is complete") from None
+        raise FormatError(f"{path}: the file changed while it was read ({e}); "
+                          "read it again once it is complete") from None
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
@@ -206,7 +211,8 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     try:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
-        raise FormatError(f"{path}: not a readable Parquet file ({e}); re-download it or export it to JSON Lines") from None
+        raise FormatError(f"{path}: not a readable Parquet file ({e}); "
+                          "re-download it or export it to JSON Lines") from None
     row = 0
     try:
         for batch in parquet.iter_batches(batch_size=1024):
@@ -214,7 +220,8 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
                 yield row, record
                 row += 1
     except (pa.ArrowException, OSError) as e:
-        yield row, BadLine(f"the Parquet file cannot be read past row {row} ({type(e).__name__}: {e}); every later row is missing: re-download the file", TRUNCATED_FILE)
+        yield row, BadLine(f"the Parquet file cannot be read past row {row} ({type(e).__name__}: {e}); every later "
+                           "row is missing: re-download the file", TRUNCATED_FILE)
 
 
 def _more_lines(path: Path) -> bool:
@@ -248,7 +255,8 @@ def iter_raw_records(path: str | Path) -> Iterator[tuple[int, Any]]:
     """
     path = Path(path)
     if not path.is_file():
-        raise FormatError(f"{path}: source file does not exist; fix the path in the catalog (relative paths resolve against the catalog file's directory)")
+        raise FormatError(f"{path}: source file does not exist; fix the path in the catalog (relative paths resolve "
+                          "against the catalog file's directory)")
     if path.suffix == ".parquet":
         yield from _iter_parquet(path)
         return
@@ -290,6 +298,8 @@ def iter_raw_records(path: str | Path) -> Iterator[tuple[int, Any]]:
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
         if lineno < 0:
             raise FormatError(f"{path}: cannot be read as gzip ({e}); re-download or re-compress the file") from None
-        yield lineno + 1, BadLine(f"the compressed file ends mid-stream after line {lineno + 1} ({type(e).__name__}: {e}); every record after that line is missing: re-download or re-compress the file", TRUNCATED_FILE)
+        yield lineno + 1, BadLine(f"the compressed file ends mid-stream after line {lineno + 1} "
+                                  f"({type(e).__name__}: {e}); every record after that line is missing: "
+                                  "re-download or re-compress the file", TRUNCATED_FILE)
     except OSError as e:
         raise FormatError(f"{path}: cannot be read ({e})") from None

@@ -43,7 +43,8 @@ def _turns(record: Any) -> Any:
 def matches(record: Any) -> bool:
     """True when the record looks like ShareGPT: a conversations list whose first turn has ``from``/``value``."""
     _, turns = _turns(record)
-    return isinstance(turns, list) and bool(turns) and isinstance(turns[0], dict) and "from" in turns[0] and "value" in turns[0]
+    return (isinstance(turns, list) and bool(turns) and isinstance(turns[0], dict) and "from" in turns[0]
+            and "value" in turns[0])
 
 
 def parse(record: Any, row: int) -> Conversation:
@@ -52,9 +53,11 @@ def parse(record: Any, row: int) -> Conversation:
         raise RecordError("not_an_object", f"sharegpt record is a {type(record).__name__}, expected a JSON object")
     key, turns = _turns(record)
     if key is None:
-        raise RecordError("missing_field", f"sharegpt record has no 'conversations' field (keys: {sorted(record)[:12]})")
+        raise RecordError("missing_field",
+                          f"sharegpt record has no 'conversations' field (keys: {sorted(record)[:12]})")
     if not isinstance(turns, list):
-        raise RecordError(BAD_FIELD_TYPE, f"sharegpt field {key!r} is a {type(turns).__name__}, expected a list of turns")
+        raise RecordError(BAD_FIELD_TYPE,
+                          f"sharegpt field {key!r} is a {type(turns).__name__}, expected a list of turns")
     tools = normalize_tools(record.get("tools"))
     messages: list[dict[str, Any]] = []
     system = record.get("system")

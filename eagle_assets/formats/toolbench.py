@@ -56,7 +56,9 @@ FINISH_FUNCTION = {
         "type": "object",
         "properties": {
             "return_type": {"type": "string", "enum": ["give_answer", "give_up_and_restart"]},
-            "final_answer": {"type": "string", "description": "The final answer you want to give the user. You should have this field if \"return_type\"==\"give_answer\""},
+            "final_answer": {"type": "string",
+                             "description": ("The final answer you want to give the user. You should have this field "
+                                             "if \"return_type\"==\"give_answer\"")},
         },
         "required": ["return_type"],
     },
@@ -104,7 +106,8 @@ def _function(api: Any, i: int) -> dict[str, Any]:
     description = f"This is the subfunction for tool \"{tool_std}\", you can use this tool."
     api_description = _text(api.get("api_description"), f"{where}.api_description").strip()
     if api_description:
-        description += f"The description of this function is: \"{api_description.replace(api_name, name)[:_DESCRIPTION_MAX]}\""
+        description += ("The description of this function is: "
+                        f"\"{api_description.replace(api_name, name)[:_DESCRIPTION_MAX]}\"")
     properties: dict[str, Any] = {}
     required: list[str] = []
     for key in ("required_parameters", "optional_parameters"):
@@ -117,7 +120,8 @@ def _function(api: Any, i: int) -> dict[str, Any]:
             pname = change_name(standardize(p["name"]))
             ptype = p.get("type")
             prop: dict[str, Any] = {"type": _TYPES.get(ptype, "string") if isinstance(ptype, str) else "string",
-                                    "description": _text(p.get("description"), f"{where}.{key}[{j}].description")[:_DESCRIPTION_MAX]}
+                                    "description": _text(p.get("description"),
+                                                         f"{where}.{key}[{j}].description")[:_DESCRIPTION_MAX]}
             default = p.get("default")
             if default is not None and str(default) != "":
                 prop["example_value"] = default
@@ -158,9 +162,12 @@ def parse(record: Any, row: int) -> Conversation:
     if isinstance(record.get("answer_generation"), dict):
         return _parse_answer(record, row)
     if "api_list" not in record or "query" not in record:
-        raise RecordError(MISSING_FIELD, f"toolbench record has neither api_list + query nor answer_generation (keys: {sorted(record)[:12]})")
+        raise RecordError(MISSING_FIELD, "toolbench record has neither api_list + query nor answer_generation "
+                          f"(keys: {sorted(record)[:12]})")
     if not isinstance(record["api_list"], list):
-        raise RecordError(BAD_FIELD_TYPE, f"toolbench field 'api_list' is a {type(record['api_list']).__name__}, expected a list")
+        raise RecordError(BAD_FIELD_TYPE,
+                          f"toolbench field 'api_list' is a {type(record['api_list']).__name__}, expected a list")
     if not isinstance(record["query"], str):
-        raise RecordError(BAD_FIELD_TYPE, f"toolbench field 'query' is a {type(record['query']).__name__}, expected text")
+        raise RecordError(BAD_FIELD_TYPE,
+                          f"toolbench field 'query' is a {type(record['query']).__name__}, expected text")
     return _parse_query(record, row)

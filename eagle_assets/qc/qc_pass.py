@@ -7,9 +7,9 @@ output_ids``, ``loss_mask`` 0 over the prompt, 1 over the output) are written to
 most ``rows_per_shard`` rows and about ``bytes_per_shard`` bytes of Arrow data each, every one atomically (temp file +
 ``os.replace``), streamed row group by row group; ``rows.parquet`` (one small row per generated row, for the
 checks and the length report) is written as it goes through one Parquet writer and renamed at the end. Memory: one
-record batch, a few row groups of the prompts (``tokenized_prompts.prompts_file.PromptsFile``; a table passed in is held whole), per
-prompt its sample id, and per generated row a few bytes of figures (drop code, lengths) plus its sample id (for the
-duplicate rule), independent of the number of output tokens.
+record batch, a few row groups of the prompts (``tokenized_prompts.prompts_file.PromptsFile``; a table passed in is
+held whole), per prompt its sample id, and per generated row a few bytes of figures (drop code, lengths) plus its
+sample id (for the duplicate rule), independent of the number of output tokens.
 """
 
 from __future__ import annotations
@@ -237,9 +237,9 @@ def qc_partition(
     Args:
         generation_shards: Parquet files of ``generation.GENERATION_SCHEMA`` rows (other producers' columns and
             types are accepted: ``segment_batch`` falls back to the reference for odd types).
-        prompts: ``tokenized_prompts`` rows as a ``tokenized_prompts.prompts_file.PromptsFile`` (read a row group at a time) or a
-            table: ``sample_id``, ``prompt_ids`` (list of int) and, when present, ``prompt_opens_think`` (bool;
-            absent = ``target_model.render.opens_think_block`` of the ids).
+        prompts: ``tokenized_prompts`` rows as a ``tokenized_prompts.prompts_file.PromptsFile`` (read a row group at
+            a time) or a table: ``sample_id``, ``prompt_ids`` (list of int) and, when present, ``prompt_opens_think``
+            (bool; absent = ``target_model.render.opens_think_block`` of the ids).
         out_dir: where ``shard-NNNNN.parquet`` (``QC_SCHEMA``) and ``rows.parquet`` (``ROWS_SCHEMA``) go.
         profile, blank_ids, vocab_size, control_ids, tool_call_in_reasoning: as in ``segment_row``.
         short_tokens: a kept row with fewer output ids is counted ``short``; max_new_tokens: the partition's cap,

@@ -13,8 +13,8 @@ positions against per-row bounds: a handful of passes over the tokens and O(rows
 per row, on the few rows that need them, by calling the reference's own functions: the prompt echo
 (``protocol.prompt_echo_length``, only for rows whose first id occurs in the prompt's last ``ECHO_WINDOW`` ids or
 whose counts disagree; its shape rule, ``segment.reply_well_formed`` as the evidence, only for those of them that
-the other rules drop, since a kept row is well-formed as it stands) and the tool-call pairing (``segment.tool_spans``, only over the marker ids of rows that
-have markers in their answer).
+the other rules drop, since a kept row is well-formed as it stands) and the tool-call pairing
+(``segment.tool_spans``, only over the marker ids of rows that have markers in their answer).
 """
 
 from __future__ import annotations

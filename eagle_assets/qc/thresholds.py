@@ -118,8 +118,9 @@ def evaluate_token_structure(drop_reasons: Sequence[str | None], thresholds: Thr
     """``token_structure``: share of rows dropped, in total and per drop reason.
 
     ``drop_reasons`` has one entry per generated row (None for kept rows). ``thresholds`` (catalog ``Thresholds``)
-    gives ``max_share_dropped_warn`` / ``max_share_dropped_error`` for the total and, in ``max_share_by_reason``, ``{reason: {warn, error}}`` levels for single reasons. Every reason with a level
-    appears in the figures, with share 0.0 when no row has it.
+    gives ``max_share_dropped_warn`` / ``max_share_dropped_error`` for the total and, in ``max_share_by_reason``,
+    ``{reason: {warn, error}}`` levels for single reasons. Every reason with a level appears in the figures, with
+    share 0.0 when no row has it.
     """
     return token_structure_outcome(len(drop_reasons), Counter(r for r in drop_reasons if r), thresholds)
 

@@ -2,10 +2,10 @@
 
 ``iter_prompt_rows`` is the whole per-record path of the asset (load, normalize, check, cut the prompt, id,
 serialise, drop duplicates), streamed record by record; ``eagle_assets.raw_prompts.write`` writes it in bounded row
-groups and ``collect_prompt_rows`` gathers it in memory, so a test can drive exactly what the asset runs. Kept rows satisfy ``RAW_SCHEMA``: ``messages`` /
-``tools`` / ``reference_reply`` are strict JSON (no NaN), valid UTF-8, with the roles and shapes of
-:func:`~eagle_assets.formats.conversation.check_conversation`. Reject rows satisfy ``REJECT_SCHEMA`` with a
-reason from ``REJECT_REASONS`` and a detail saying what was wrong.
+groups and ``collect_prompt_rows`` gathers it in memory, so a test can drive exactly what the asset runs. Kept rows
+satisfy ``RAW_SCHEMA``: ``messages`` / ``tools`` / ``reference_reply`` are strict JSON (no NaN), valid UTF-8, with
+the roles and shapes of :func:`~eagle_assets.formats.conversation.check_conversation`. Reject rows satisfy
+``REJECT_SCHEMA`` with a reason from ``REJECT_REASONS`` and a detail saying what was wrong.
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def iter_prompt_rows(
             try:
                 sid = sample_id(partition_key, rec.source_record)
             except (ValueError, RecursionError) as exc:  # a record nested past what json.dumps can write back
-                yield reject(rec.source_row, None, MALFORMED_RECORD, f"record cannot be hashed into a sample id ({type(exc).__name__}: {exc})")
+                yield reject(rec.source_row, None, MALFORMED_RECORD,
+                             f"record cannot be hashed into a sample id ({type(exc).__name__}: {exc})")
                 continue
             first = seen.get(sid)
             if first is not None:
@@ -150,7 +151,8 @@ def iter_prompt_rows(
                 yield reject(rec.source_row, sid, exc.reason, exc.detail)
                 continue
             except Exception as exc:  # noqa: BLE001 - a bad record must not stop the partition
-                yield reject(rec.source_row, sid, MALFORMED_RECORD, f"prompt could not be built ({type(exc).__name__}: {exc})")
+                yield reject(rec.source_row, sid, MALFORMED_RECORD,
+                             f"prompt could not be built ({type(exc).__name__}: {exc})")
                 continue
             seen.add(sid, index, rec.source_row)
             yield KEPT, index, row

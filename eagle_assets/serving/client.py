@@ -11,8 +11,9 @@ by ``parse_generate_reply``). Transport choices and why:
 - Retried (exponential backoff with jitter, ``Retry-After`` honoured): connection errors, timeouts, HTTP 408/429/5xx,
   and replies that fail validation (bad or truncated JSON, ``completion_tokens`` disagreeing with ``output_ids``,
   a prompt echo in ``output_ids`` whether counted or not (with the caller's ``well_formed`` check, also one that only
-  the reply's shape betrays), ``finish_reason`` abort, ...). Not retried: HTTP 400/422 (the request is invalid), 401/403 (API key), 404 (wrong
-  URL), aborts carrying a 4xx status. A retry prefers another server when there are several.
+  the reply's shape betrays), ``finish_reason`` abort, ...). Not retried: HTTP 400/422 (the request is invalid),
+  401/403 (API key), 404 (wrong URL), aborts carrying a 4xx status. A retry prefers another server when there are
+  several.
 - ``post_many`` / ``post_all`` send prepared bodies of other ``/generate`` requests (aux-hidden-state capture for
   served drafter features) through the same loop: the caller's ``parse`` raises ``ReplyError`` for an unusable reply.
 - Server choice: least requests in flight, servers that just failed are avoided for a short cool-down, ties go round
@@ -20,8 +21,8 @@ by ``parse_generate_reply``). Transport choices and why:
 - The API key is read from the environment variable named by ``api_key_env`` and sent as
   ``Authorization: Bearer``; it never appears in errors, logs or ``repr``: error texts are redacted, since they
   quote server replies and a misbehaving proxy may echo the request's headers back.
-- ``run_sync`` (used by ``generate_all`` and ``eagle_assets.generations.run.run_generation``) runs the loop on uvloop when
-  it is installed. Measured with ``bench/bench_client.py`` (1,000-token replies, one process): about 2,500
+- ``run_sync`` (used by ``generate_all`` and ``eagle_assets.generations.run.run_generation``) runs the loop on uvloop
+  when it is installed. Measured with ``bench/bench_client.py`` (1,000-token replies, one process): about 2,500
   validated requests/s on a free core, 2-4x a thread pool of blocking clients.
 """
 

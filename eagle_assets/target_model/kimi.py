@@ -59,7 +59,8 @@ log = logging.getLogger(__name__)
 
 def _bytes_to_unicode() -> dict[int, str]:
     # GPT-2's reversible byte -> printable-character table used by every byte-level BPE.
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
     table = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -118,7 +119,8 @@ def _build_core(ranks: dict[bytes, int], specials: list[tuple[str, bool]]) -> An
             continue
         parts = _merge_parts(ranks, tok, rank)
         if len(parts) != 2:
-            raise TokenizerLoadError(f"tiktoken rank {rank} ({tok!r}) is not reachable by merging two lower-ranked tokens; not a BPE vocabulary")
+            raise TokenizerLoadError(f"tiktoken rank {rank} ({tok!r}) is not reachable by merging two lower-ranked "
+                                     "tokens; not a BPE vocabulary")
         merges.append((enc(parts[0]), enc(parts[1])))
     core = Tokenizer(BPE(vocab, merges, fuse_unk=False, ignore_merges=True))
     core.pre_tokenizer = pre_tokenizers.Sequence(
@@ -148,7 +150,8 @@ def _specials(config: dict, n: int) -> list[tuple[str, bool]]:
     out = []
     for idx in range(n, n + NUM_RESERVED_SPECIAL_TOKENS):
         entry = named.get(idx)
-        out.append((entry["content"], bool(entry.get("special", True))) if entry else (f"<|reserved_token_{idx}|>", True))
+        out.append((entry["content"], bool(entry.get("special", True))) if entry
+                   else (f"<|reserved_token_{idx}|>", True))
     return out
 
 
@@ -240,7 +243,8 @@ def load_kimi_tokenizer(model_dir: str | Path, chat_template_path: str | Path | 
     model_path = model_dir / "tiktoken.model"
     config_path = model_dir / "tokenizer_config.json"
     if not model_path.is_file():
-        raise TokenizerLoadError(f"{model_dir}: no tiktoken.model; a Kimi tokenizer needs tiktoken.model and tokenizer_config.json")
+        raise TokenizerLoadError(f"{model_dir}: no tiktoken.model; a Kimi tokenizer needs tiktoken.model and "
+                                 "tokenizer_config.json")
     core = _cached_core(str(model_path.resolve()), str(config_path.resolve()))
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     template = None

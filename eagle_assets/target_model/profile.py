@@ -178,11 +178,13 @@ def _resolve(tokenizer: Any, vocab: _TokenIds, value: Any, key: str) -> int:
             raise ProfileError(f"profile override {key!r}: id {value} is outside the tokenizer's {n} ids")
         return value
     if value not in vocab:
-        raise ProfileError(f"profile override {key!r}: token {value!r} is not a single token of this tokenizer; give its id or the exact token text")
+        raise ProfileError(f"profile override {key!r}: token {value!r} is not a single token of this tokenizer; "
+                           "give its id or the exact token text")
     return vocab[value]
 
 
-def _apply_overrides(profile: FamilyProfile, tokenizer: Any, vocab: _TokenIds, overrides: dict[str, Any]) -> FamilyProfile:
+def _apply_overrides(profile: FamilyProfile, tokenizer: Any, vocab: _TokenIds,
+                     overrides: dict[str, Any]) -> FamilyProfile:
     changes: dict[str, Any] = {}
     for key, value in overrides.items():
         field_name = OVERRIDE_KEYS.get(key)
@@ -207,7 +209,8 @@ def _apply_overrides(profile: FamilyProfile, tokenizer: Any, vocab: _TokenIds, o
             changes[field_name] = tuple(_resolve(tokenizer, vocab, v, key) for v in values)
     profile = replace(profile, **changes)
     if len(profile.tool_call_start_ids) != len(profile.tool_call_end_ids):
-        raise ProfileError(f"tool_call_start ids {profile.tool_call_start_ids} and tool_call_end ids {profile.tool_call_end_ids} must pair up one to one")
+        raise ProfileError(f"tool_call_start ids {profile.tool_call_start_ids} and tool_call_end ids "
+                           f"{profile.tool_call_end_ids} must pair up one to one")
     if (profile.think_start_id is None) != (profile.think_end_id is None):
         raise ProfileError("think_start and think_end must both be set or both be null")
     if not profile.stop_ids:
@@ -280,7 +283,8 @@ def detect_profile(tokenizer: Any, overrides: dict[str, Any] | None = None) -> F
     if eot is None:
         eot = overrides.get("end_of_turn", overrides.get("end_of_turn_id"))
         if eot is None:
-            raise ProfileError("the tokenizer has no eos token and no known end-of-turn token; set target.profile.end_of_turn (and stop_ids) in the catalog")
+            raise ProfileError("the tokenizer has no eos token and no known end-of-turn token; "
+                               "set target.profile.end_of_turn (and stop_ids) in the catalog")
         eot = _resolve(tokenizer, vocab, eot, "end_of_turn")
     stops: list[int] = [eot]
     for s in [eos, *extra_eos]:

@@ -84,7 +84,8 @@ def template_hash(tokenizer: Any) -> str:
     canonical JSON); raises RenderError(template_error) when there is none."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
-        raise RenderError(TEMPLATE_ERROR, "the tokenizer has no chat_template; use a model dir whose tokenizer_config.json (or chat_template.jinja) defines one")
+        raise RenderError(TEMPLATE_ERROR, "the tokenizer has no chat_template; use a model dir whose "
+                          "tokenizer_config.json (or chat_template.jinja) defines one")
     source = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
     return hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
 
@@ -449,10 +450,12 @@ def _checked_texts(text: str, without_gen: str, without_tools: str | None, tools
     """The text-level verdicts on one record's three renders (``_render_texts``' result); raises RenderError.
     ``after_tool_outputs``: ``answers_after_tool_outputs`` held, so an empty generation prompt is the served one."""
     if text == without_gen and not after_tool_outputs:
-        raise RenderError(MISSING_GENERATION_PROMPT, "add_generation_prompt=True does not append an assistant header; the model would continue the user turn")
+        raise RenderError(MISSING_GENERATION_PROMPT, "add_generation_prompt=True does not append an assistant header; "
+                          "the model would continue the user turn")
     if tools and without_tools == text:
         names = [t.get("function", {}).get("name") for t in tools]
-        raise RenderError(TOOLS_IGNORED, f"the chat template renders the same text with and without tools {names[:5]}; the target would never see the tool definitions")
+        raise RenderError(TOOLS_IGNORED, "the chat template renders the same text with and without tools "
+                          f"{names[:5]}; the target would never see the tool definitions")
 
     return text, without_gen, tools, args_as_string
 
@@ -465,7 +468,8 @@ def _finish(tokenizer: Any, ids: list[int], texts: tuple[str, str, Any, bool], e
     text, without_gen, tools, args_as_string = texts
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
-        raise RenderError(DOUBLE_BOS, f"the prompt starts with two BOS ids ({bos}); the template already writes BOS, so the text must not contain another one")
+        raise RenderError(DOUBLE_BOS, f"the prompt starts with two BOS ids ({bos}); the template already writes BOS, "
+                          "so the text must not contain another one")
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         raise RenderError(PROMPT_TOO_LONG, f"{len(ids)} prompt tokens > max_prompt_tokens {max_prompt_tokens}")
     # the text without the generation prompt is nearly always a prefix: a startswith is O(n) in C, commonprefix

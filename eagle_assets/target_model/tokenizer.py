@@ -30,7 +30,9 @@ def load_tokenizer(path_or_name: str | Path) -> Any:
         try:
             return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
         except Exception as e:
-            raise TokenizerLoadError(f"{path}: cannot load a tokenizer from this directory ({type(e).__name__}: {e}); it needs tokenizer.json or vocab/merges files plus tokenizer_config.json") from None
+            raise TokenizerLoadError(f"{path}: cannot load a tokenizer from this directory ({type(e).__name__}: {e}); "
+                                     "it needs tokenizer.json or vocab/merges files plus "
+                                     "tokenizer_config.json") from None
     if path.exists():
         raise TokenizerLoadError(f"{path}: is a file; give the model directory that contains the tokenizer files")
     try:

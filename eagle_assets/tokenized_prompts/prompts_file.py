@@ -67,7 +67,8 @@ class PromptsFile:
 
     @classmethod
     def from_table(cls, table: pa.Table) -> "PromptsFile":
-        """The same interface over a table already in memory (``sample_id``, ``prompt_ids``[, ``prompt_opens_think``])."""
+        """The same interface over a table already in memory (``sample_id``, ``prompt_ids``[,
+        ``prompt_opens_think``])."""
         return cls(None, _table=table)
 
     def __len__(self) -> int:

@@ -5,8 +5,9 @@ bench and the tests run the same code. The raw prompts file is read ``batch_rows
 rendered by ``target_model.render.render_prompts`` (batched ``apply_chat_template`` calls, the texts tokenized in
 one batch encode) and written as one row group of ``prompts.parquet`` (``TOKENIZED_SCHEMA``) through one Parquet
 writer to a temp file that is renamed into place at the end, so readers see the old file or the whole new one.
-Rejected records go to ``rejects.parquet`` the same way. The row groups are what ``tokenized_prompts.prompts_file.PromptsFile`` reads
-one at a time downstream (generation requests, the live monitor, QC's join).
+Rejected records go to ``rejects.parquet`` the same way. The row groups are what
+``tokenized_prompts.prompts_file.PromptsFile`` reads one at a time downstream (generation requests, the live
+monitor, QC's join).
 
 In one process the pass runs as a two-stage pipeline: this thread renders batch k+1 through the chat template
 (Python, holding the GIL) while a second thread batch-encodes batch k (Rust, without the GIL) and finishes it.
