@@ -14,6 +14,7 @@ the pipeline stores it; the equality test must then fail (the trial the issue as
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import yaml
 
 from eagle_assets_tests.real_sglang import SGLangUnavailable, ensure_sglang_python, sglang_env
 
-pytestmark = pytest.mark.slow(seconds=300)
+pytestmark = pytest.mark.slow(seconds=360)  # venv build, five server starts, three pipeline runs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PARTITIONS = ("B1_glaive", "B2_opencodeinstruct", "B4_mixturethoughts", "B5_openthoughts")
@@ -42,8 +43,10 @@ def sglang_python() -> Path:
         pytest.skip(f"no SGLang 0.5.23 CPU venv on this machine: {exc}")
 
 
-def _catalog(tmp: Path, server: dict) -> Path:
+def _catalog(tmp: Path, server: dict, limits: dict[str, int] | None = None) -> Path:
     catalog = yaml.safe_load((REPO_ROOT / "catalogs" / "default.yaml").read_text())
+    for key, limit in (limits or {}).items():
+        catalog["partitions"][key]["limit"] = limit
     for spec in catalog["partitions"].values():  # the same absolute sources for both runs
         for src in spec["sources"]:
             src["path"] = str((REPO_ROOT / "catalogs" / src["path"]).resolve())
@@ -53,12 +56,14 @@ def _catalog(tmp: Path, server: dict) -> Path:
     return path
 
 
-def _run(tmp: Path, server: dict, env: dict[str, str]) -> Path:
-    """``eagle-assets run --skip-training`` of the default catalog with ``server``; its storage folder."""
+def _run(tmp: Path, server: dict, env: dict[str, str], args: list[str] = (),
+         limits: dict[str, int] | None = None) -> Path:
+    """``eagle-assets run --skip-training [args]`` of the default catalog with ``server`` (and partitions cut to
+    ``limits`` records); its storage folder."""
     tmp.mkdir(parents=True, exist_ok=True)
-    catalog = _catalog(tmp, server)
+    catalog = _catalog(tmp, server, limits)
     proc = subprocess.run([sys.executable, "-m", "eagle_assets.cli", "run", "--catalog", str(catalog),
-                           "--skip-training"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
+                           "--skip-training", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, **env, "DAGSTER_HOME": str(tmp / "dagster_home"),
                                "EAGLE_ASSETS_HOME": str(tmp / "store")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -108,12 +113,17 @@ def test_every_partition_generates_what_the_embedded_server_generates(runs):
 
 
 @pytest.fixture(scope="module")
-def servers(sglang_python, demo_target, monkeypatch_module):
+def sglang_environ(monkeypatch_module):
+    """This process's environment as the real servers it launches need it (:func:`real_sglang.sglang_env`)."""
+    for name, value in sglang_env().items():
+        monkeypatch_module.setenv(name, value)
+
+
+@pytest.fixture(scope="module")
+def servers(sglang_python, demo_target, sglang_environ):
     """(the real SGLang server, the embedded server), both serving the shipped demo target."""
     from eagle_assets.serving.launch import launched_server
 
-    for name, value in sglang_env().items():
-        monkeypatch_module.setenv(name, value)
     with launched_server(str(demo_target), launch="sglang", python=str(sglang_python), device="cpu",
                          extra_args=CPU_ARGS) as real, launched_server(str(demo_target)) as ours:
         yield real, ours
@@ -174,6 +184,46 @@ def test_an_out_of_vocab_id_is_refused_before_it_reaches_sglang_whose_scheduler_
     (refused,) = client.generate_all([("r", [5, 6, vocab + 7])], SamplingParams(max_new_tokens=4), vocab_size=vocab)
     assert isinstance(refused, GenerateFailure) and (refused.kind, refused.attempts) == ("bad_input", 0)
     assert real.alive()
+
+
+def test_sglang_router_in_front_of_two_real_servers_serves_a_partition_once(runs, sglang_python, demo_target,
+                                                                          sglang_environ, monkeypatch_module,
+                                                                          tmp_path):
+    """``server.url`` = an ``sglang-router`` (round robin) over two real servers: B2 cut to 6 records, run by
+    ``eagle-assets run``, stores every prompt's row exactly once, equal to the embedded server's rows of those
+    prompts. Each server's OpenMP threads are bound to a core of their own (``SGLANG_CPU_OMP_THREADS_BIND``), and
+    6 short code replies keep it short: on one core SGLang's CPU engine decodes the demo target at about 15
+    tokens/s."""
+    pytest.importorskip("sglang_router", reason="sglang-router is not installed (the test extra installs it)")
+    from eagle_assets.serving.launch import free_port, launched_server, log_tail
+
+    embedded, _, _ = runs
+    cores = sorted(os.sched_getaffinity(0))
+    launched = []
+    with contextlib.ExitStack() as stack:
+        for core in (cores[0], cores[-1]):
+            monkeypatch_module.setenv("SGLANG_CPU_OMP_THREADS_BIND", str(core))
+            launched.append(stack.enter_context(launched_server(
+                str(demo_target), launch="sglang", python=str(sglang_python), device="cpu", extra_args=CPU_ARGS)))
+        monkeypatch_module.delenv("SGLANG_CPU_OMP_THREADS_BIND")
+        port = free_port()
+        log = stack.enter_context(open(tmp_path / "router.log", "wb"))
+        router = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+             "--worker-urls", *[s.url for s in launched], "--policy", "round_robin", "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            store = _run(tmp_path / "routed", {"url": f"http://127.0.0.1:{port}"}, {},
+                         ["--partitions", "B2_opencodeinstruct"], limits={"B2_opencodeinstruct": 6})
+        finally:
+            router.terminate()
+            router.wait(10)
+        assert all(s.alive() for s in launched), log_tail(tmp_path / "router.log")
+    table = pq.read_table(sorted((store / "generations" / "B2_opencodeinstruct").glob("shard-*.parquet")))
+    sids = table.column("sample_id").to_pylist()
+    assert len(sids) == len(set(sids)) == 6
+    ours = _rows(embedded, "B2_opencodeinstruct")
+    assert _rows(store, "B2_opencodeinstruct") == {sid: ours[sid] for sid in sids}
 
 
 def test_a_request_after_the_server_stopped_fails_as_a_connection_error(servers, demo_target):

@@ -506,12 +506,7 @@ class DecodeEngine:
             if row.req.prefill_only:
                 self._finish(row, {"type": "length", "length": 0})
                 continue
-            if row.out_lp is not None:
-                row.record_output_logprob(torch.log_softmax(last_logits[i].double(), dim=-1), token)
-            finish = row.push(token)
-            if finish is not None:
-                self._finish(row, finish)
-            else:
+            if self._advance(row, last_logits[i], token):
                 keep.append(i)
         if not keep:
             return
@@ -629,12 +624,7 @@ class DecodeEngine:
                 continue
             if row.hidden is not None:
                 row.record_hidden(fed[i, -1])
-            if row.out_lp is not None:
-                row.record_output_logprob(torch.log_softmax(out.logits[i, -1].double(), dim=-1), token)
-            finish = row.push(token)
-            if finish is not None:
-                self._finish(row, finish)
-            else:
+            if self._advance(row, out.logits[i, -1], token):
                 keep.append(i)
         if not keep:
             self._reset()
@@ -662,6 +652,17 @@ class DecodeEngine:
         return tokens
 
     # ------------------------------------------------------------------------------------------------- results
+    def _advance(self, row: _Row, logits: torch.Tensor, token: int) -> bool:
+        """Append ``token`` (sampled from ``logits``, ``[V]``) to ``row``, recording its logprob when asked; finish
+        the row when it stopped; True when it goes on."""
+        if row.out_lp is not None:
+            row.record_output_logprob(torch.log_softmax(logits.double(), dim=-1), token)
+        finish = row.push(token)
+        if finish is not None:
+            self._finish(row, finish)
+            return False
+        return True
+
     def _finish(self, row: _Row, finish: dict[str, Any]) -> None:
         row.done = True
         req = row.req
