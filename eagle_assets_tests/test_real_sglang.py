@@ -112,6 +112,46 @@ def test_every_partition_generates_what_the_embedded_server_generates(runs):
     assert {r["turn"] for r in turns[0]} >= {1, 2, 3}
 
 
+def test_sglang_router_in_front_of_two_real_servers_serves_a_partition_once(runs, sglang_python, demo_target,
+                                                                          sglang_environ, monkeypatch_module,
+                                                                          tmp_path):
+    """``server.url`` = an ``sglang-router`` (round robin) over two real servers: B2 cut to 6 records, run by
+    ``eagle-assets run``, stores every prompt's row exactly once, equal to the embedded server's rows of those
+    prompts. Each server's OpenMP threads are bound to a core of their own (``SGLANG_CPU_OMP_THREADS_BIND``), and
+    6 short code replies keep it short: on one core SGLang's CPU engine decodes the demo target at about 15
+    tokens/s."""
+    pytest.importorskip("sglang_router", reason="sglang-router is not installed (the test extra installs it)")
+    from eagle_assets.serving.launch import free_port, launched_server, log_tail
+
+    embedded, _, _ = runs
+    cores = sorted(os.sched_getaffinity(0))
+    launched = []
+    with contextlib.ExitStack() as stack:
+        for core in (cores[0], cores[-1]):
+            monkeypatch_module.setenv("SGLANG_CPU_OMP_THREADS_BIND", str(core))
+            launched.append(stack.enter_context(launched_server(
+                str(demo_target), launch="sglang", python=str(sglang_python), device="cpu", extra_args=CPU_ARGS)))
+        monkeypatch_module.delenv("SGLANG_CPU_OMP_THREADS_BIND")
+        port = free_port()
+        log = stack.enter_context(open(tmp_path / "router.log", "wb"))
+        router = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+             "--worker-urls", *[s.url for s in launched], "--policy", "round_robin", "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            store = _run(tmp_path / "routed", {"url": f"http://127.0.0.1:{port}"}, {},
+                         ["--partitions", "B2_opencodeinstruct"], limits={"B2_opencodeinstruct": 6})
+        finally:
+            router.terminate()
+            router.wait(10)
+        assert all(s.alive() for s in launched), log_tail(tmp_path / "router.log")
+    table = pq.read_table(sorted((store / "generations" / "B2_opencodeinstruct").glob("shard-*.parquet")))
+    sids = table.column("sample_id").to_pylist()
+    assert len(sids) == len(set(sids)) == 6
+    ours = _rows(embedded, "B2_opencodeinstruct")
+    assert _rows(store, "B2_opencodeinstruct") == {sid: ours[sid] for sid in sids}
+
+
 @pytest.fixture(scope="module")
 def sglang_environ(monkeypatch_module):
     """This process's environment as the real servers it launches need it (:func:`real_sglang.sglang_env`)."""
@@ -184,46 +224,6 @@ def test_an_out_of_vocab_id_is_refused_before_it_reaches_sglang_whose_scheduler_
     (refused,) = client.generate_all([("r", [5, 6, vocab + 7])], SamplingParams(max_new_tokens=4), vocab_size=vocab)
     assert isinstance(refused, GenerateFailure) and (refused.kind, refused.attempts) == ("bad_input", 0)
     assert real.alive()
-
-
-def test_sglang_router_in_front_of_two_real_servers_serves_a_partition_once(runs, sglang_python, demo_target,
-                                                                          sglang_environ, monkeypatch_module,
-                                                                          tmp_path):
-    """``server.url`` = an ``sglang-router`` (round robin) over two real servers: B2 cut to 6 records, run by
-    ``eagle-assets run``, stores every prompt's row exactly once, equal to the embedded server's rows of those
-    prompts. Each server's OpenMP threads are bound to a core of their own (``SGLANG_CPU_OMP_THREADS_BIND``), and
-    6 short code replies keep it short: on one core SGLang's CPU engine decodes the demo target at about 15
-    tokens/s."""
-    pytest.importorskip("sglang_router", reason="sglang-router is not installed (the test extra installs it)")
-    from eagle_assets.serving.launch import free_port, launched_server, log_tail
-
-    embedded, _, _ = runs
-    cores = sorted(os.sched_getaffinity(0))
-    launched = []
-    with contextlib.ExitStack() as stack:
-        for core in (cores[0], cores[-1]):
-            monkeypatch_module.setenv("SGLANG_CPU_OMP_THREADS_BIND", str(core))
-            launched.append(stack.enter_context(launched_server(
-                str(demo_target), launch="sglang", python=str(sglang_python), device="cpu", extra_args=CPU_ARGS)))
-        monkeypatch_module.delenv("SGLANG_CPU_OMP_THREADS_BIND")
-        port = free_port()
-        log = stack.enter_context(open(tmp_path / "router.log", "wb"))
-        router = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-             "--worker-urls", *[s.url for s in launched], "--policy", "round_robin", "--log-level", "warn"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            store = _run(tmp_path / "routed", {"url": f"http://127.0.0.1:{port}"}, {},
-                         ["--partitions", "B2_opencodeinstruct"], limits={"B2_opencodeinstruct": 6})
-        finally:
-            router.terminate()
-            router.wait(10)
-        assert all(s.alive() for s in launched), log_tail(tmp_path / "router.log")
-    table = pq.read_table(sorted((store / "generations" / "B2_opencodeinstruct").glob("shard-*.parquet")))
-    sids = table.column("sample_id").to_pylist()
-    assert len(sids) == len(set(sids)) == 6
-    ours = _rows(embedded, "B2_opencodeinstruct")
-    assert _rows(store, "B2_opencodeinstruct") == {sid: ours[sid] for sid in sids}
 
 
 def test_a_request_after_the_server_stopped_fails_as_a_connection_error(servers, demo_target):

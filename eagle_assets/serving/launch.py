@@ -159,7 +159,8 @@ def resolve_device(device: str) -> str:
 def cpu_server_args(model_path: str, given: Sequence[str] = ()) -> list[str]:
     """SGLang's flags for its CPU engine, those the user already put in ``given`` left out: ``--device cpu``, the
     checkpoint's stored dtype (``--dtype``; SGLang's ``auto`` serves a float32 checkpoint as float16, which on a CPU is
-    slow and not what the weights say) and ``--disable-overlap-schedule`` (the overlap scheduler needs CUDA streams).
+    slow and not what the weights say), ``--disable-overlap-schedule`` (the overlap scheduler needs CUDA streams) and
+    ``--sleep-on-idle`` (an idle scheduler otherwise polls at full speed on a core the pipeline's own steps need).
     """
     present = set(given)
     args = [] if "--device" in present else ["--device", "cpu"]
@@ -167,6 +168,8 @@ def cpu_server_args(model_path: str, given: Sequence[str] = ()) -> list[str]:
         args += ["--dtype", _stored_dtype(model_path)]
     if "--disable-overlap-schedule" not in present:
         args.append("--disable-overlap-schedule")
+    if "--sleep-on-idle" not in present:  # an idle scheduler otherwise polls at full speed on a core
+        args.append("--sleep-on-idle")
     return args
 
 
