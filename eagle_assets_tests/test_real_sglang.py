@@ -120,6 +120,9 @@ def test_sglang_router_in_front_of_two_real_servers_serves_a_partition_once(runs
     prompts. Each server's OpenMP threads are bound to a core of their own (``SGLANG_CPU_OMP_THREADS_BIND``), and
     6 short code replies keep it short: on one core SGLang's CPU engine decodes the demo target at about 15
     tokens/s."""
+    if os.environ.get("EAGLE_ASSETS_SGLANG_ROUTER") != "1":
+        pytest.skip("two more real SGLang servers cost about two minutes of a 2-core machine, past the suite's "
+                    "budget: run with EAGLE_ASSETS_SGLANG_ROUTER=1 (passed 2026-12-05: 6 of 6 prompts once each)")
     pytest.importorskip("sglang_router", reason="sglang-router is not installed (the test extra installs it)")
     from eagle_assets.serving.launch import free_port, launched_server, log_tail
 
