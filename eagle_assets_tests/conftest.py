@@ -112,3 +112,15 @@ def target8(demo_target, tmp_path_factory) -> Path:
     from eagle_assets_tests.tiny_targets import write_deeper_copy
 
     return write_deeper_copy(demo_target, tmp_path_factory.mktemp("target8") / "model")
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> Path:
+    """The Python of the SGLang 0.5.23 CPU venv (``real_sglang``: built once per machine); skips with the build's
+    reason where it cannot be built."""
+    from eagle_assets_tests.real_sglang import SGLangUnavailable, ensure_sglang_python
+
+    try:
+        return ensure_sglang_python()
+    except SGLangUnavailable as exc:
+        pytest.skip(f"no SGLang 0.5.23 CPU venv on this machine: {exc}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import dagster as dg
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -25,6 +24,7 @@ from tiny_targets import tiny_qwen3
 from eagle_assets.definitions import build_definitions
 from eagle_assets.drafter.train import train_drafter
 from eagle_assets.drafter.train_command import read_config, read_draft_vocab, read_rows
+from eagle_assets_tests.dagster_runs import materialize_training
 
 pytestmark = pytest.mark.slow(seconds=85)  # its share of a parallel session: scheduled early (conftest)
 
@@ -92,11 +92,7 @@ def materialized(tmp_path_factory):
     store = tmp / "store"
     write_qc_partition(store / "catalog" / "qc_shards" / "P1", ROWS, seed=1)
     defs = build_definitions(path, storage_root=store)
-    wanted = {dg.AssetKey(k) for k in ("draft_vocab", "training_mix", "drafter_checkpoint")}
-    with dg.DagsterInstance.ephemeral() as instance:
-        result = dg.materialize([a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and a.keys & wanted],
-                                instance=instance, resources=defs.resources, raise_on_error=False)
-        logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    result, logs = materialize_training(defs)
     return {"result": result, "logs": logs, "stage": store / "catalog" / "drafter_checkpoint", "target": target_dir}
 
 
@@ -162,11 +158,7 @@ def test_torchrun_with_served_features_fetches_each_row_once_and_matches_an_inli
         store = tmp_path / "store"
         write_qc_partition(store / "catalog" / "qc_shards" / "P1", ROWS, seed=2)
         defs = build_definitions(path, storage_root=store)
-        wanted = {dg.AssetKey(k) for k in ("draft_vocab", "training_mix", "drafter_checkpoint")}
-        with dg.DagsterInstance.ephemeral() as instance:
-            result = dg.materialize([a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and a.keys & wanted],
-                                    instance=instance, resources=defs.resources, raise_on_error=False)
-            logs = [e.user_message for e in instance.all_logs(result.run_id)]
+        result, logs = materialize_training(defs)
         assert result.success, "\n".join(logs[-30:])
         assert any("features served" in m for m in logs)
         stage = store / "catalog" / "drafter_checkpoint"

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from eagle_assets_tests.real_sglang import SGLangUnavailable, ensure_sglang_python, sglang_env
+from eagle_assets_tests.real_sglang import sglang_env
 
 pytestmark = pytest.mark.slow(seconds=360)  # venv build, five server starts, three pipeline runs
 
@@ -33,14 +33,6 @@ PARTITIONS = ("B1_glaive", "B2_opencodeinstruct", "B4_mixturethoughts", "B5_open
 # SGLang sizes its KV pool from free memory by default (most of the machine's RAM on CPU): 8,192 tokens hold the
 # default catalog's longest rows many times over
 CPU_ARGS = ["--max-total-tokens", "8192"]
-
-
-@pytest.fixture(scope="module")
-def sglang_python() -> Path:
-    try:
-        return ensure_sglang_python()
-    except SGLangUnavailable as exc:
-        pytest.skip(f"no SGLang 0.5.23 CPU venv on this machine: {exc}")
 
 
 def _catalog(tmp: Path, server: dict, limits: dict[str, int] | None = None) -> Path:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import urllib.request
 
-import dagster as dg
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -45,6 +44,7 @@ from eagle_assets.drafter.export import load_drafter
 from eagle_assets.drafter.splits import row_splits
 from eagle_assets.drafter.vocab import draft_vocab_from_arrays
 from eagle_assets.serving.server import serve_in_thread
+from eagle_assets_tests.dagster_runs import materialize_training
 
 QUESTIONS = ["What is 7 times 6?", "Write a function that reverses a list.", "Why do leaves fall?",
              "Name two planets.", "Convert 3 hours to minutes.", "Give a word that rhymes with cat.",
@@ -131,11 +131,7 @@ def test_served_acceptance_check_matches_the_local_tau_without_loading_the_targe
     monkeypatch.setattr(train_module, "load_target", no_target)
     before = _post(served.url, "/server_info")["engine"]["requests_submitted"]
     defs = build_definitions(path, storage_root=store)
-    wanted = {dg.AssetKey(k) for k in ("draft_vocab", "training_mix", "drafter_checkpoint")}
-    with dg.DagsterInstance.ephemeral() as instance:
-        result = dg.materialize([a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and a.keys & wanted],
-                                instance=instance, resources=defs.resources, raise_on_error=False)
-        logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    result, logs = materialize_training(defs)
     assert result.success, "\n".join(logs[-30:])
     monkeypatch.undo()
     assert _post(served.url, "/server_info")["engine"]["requests_submitted"] > before

@@ -39,6 +39,7 @@ from eagle_assets.drafter.recipe import TrainConfig
 from eagle_assets.drafter.train import train_drafter
 from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
 from eagle_assets.serving.server import serve_in_thread
+from eagle_assets_tests.dagster_runs import materialize_training
 
 pytestmark = pytest.mark.slow(seconds=40)  # its share of a parallel session: scheduled early (conftest)
 
@@ -228,7 +229,6 @@ def test_drafter_checkpoint_asset_trains_on_served_features(tmp_path):
     (a subprocess) with SGLang's capture flags for the catalog's non-default ``aux_layer_ids``, and
     ``drafter_checkpoint`` trains from its replies and passes its checks. (That served and local features give the
     same drafter is :func:`test_served_training_gives_the_local_drafter`; this test is the wiring.)"""
-    import dagster as dg
     import yaml
     from tiny_targets import tiny_qwen3
 
@@ -251,11 +251,7 @@ def test_drafter_checkpoint_asset_trains_on_served_features(tmp_path):
     store = tmp_path / "store"
     _qc_partition(store / "served" / "qc_shards" / "P1", 16, vocab, seed=1)
     defs = build_definitions(path, storage_root=store)
-    wanted = {dg.AssetKey(k) for k in ("draft_vocab", "training_mix", "drafter_checkpoint")}
-    with dg.DagsterInstance.ephemeral() as instance:
-        result = dg.materialize([a for a in defs.assets if isinstance(a, dg.AssetsDefinition) and a.keys & wanted],
-                                instance=instance, resources=defs.resources, raise_on_error=False)
-        logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    result, logs = materialize_training(defs)
     assert result.success, "\n".join(logs[-30:])
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
     assert checks["export_contract"] is True
