@@ -374,9 +374,11 @@ def _run_jobs(args: argparse.Namespace, defs, instance, catalog, catalog_path: P
                   flush=True)
             failed.append("training")
         elif result.success:
+            from eagle_assets.drafter.export import serve_flags
+
             target_path = defs.resources["target"].resolve()
             print(f"drafter checkpoint: {ckpt}\n  serve with: python -m sglang.launch_server --model-path "
-                  f"{target_path} --speculative-algorithm EAGLE3 --speculative-draft-model-path {ckpt}")
+                  f"{target_path} {' '.join(serve_flags(ckpt, catalog.training.acceptance_k))}")
         else:
             failed.append("training")
     print(f"total {time.monotonic() - t_all:.1f} s")

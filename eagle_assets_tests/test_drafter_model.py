@@ -119,12 +119,12 @@ def test_no_ttt_step_sees_its_own_future(drafter):
 def reference_chain(drafter: Eagle3DraftModel, aux: torch.Tensor, ids: torch.Tensor, p: int, steps: int):
     """Serving-style decoding for one row: prefix rows 0..p causally, then `steps - 1` chained drafts that attend
     to the whole cached prefix plus their own chain (explicit KV concatenation, no masks)."""
-    layer = drafter.midlayer
+    layer = drafter.layers[0]
 
     def run(tokens, hidden, positions, keys=None, values=None):
         cos, sin = drafter.rotary.cos_sin(positions)
         x = torch.cat([layer.input_layernorm(drafter.embed(tokens)), layer.hidden_norm(hidden)], -1)
-        q, k, v = layer.self_attn.project(x, cos, sin)
+        q, k, v = layer.self_attn.project(x, drafter.rotary, cos, sin)
         if keys is None:
             keys, values = k, v
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -138,13 +138,13 @@ def reference_acceptance(target, drafter, rows, k):
     """Brute-force chain speculative decoding along each row: at each verification point, decode k drafts one at a
     time with an explicit KV cache, then verify them with one target forward over prefix + drafts."""
     capture = list(drafter.config.aux_capture_ids)
-    layer = drafter.midlayer
+    layer = drafter.layers[0]
     lengths = []
 
     def draft_step(tokens, hidden, positions, cache):
         cos, sin = drafter.rotary.cos_sin(positions)
         x = torch.cat([layer.input_layernorm(drafter.embed(tokens)), layer.hidden_norm(hidden)], -1)
-        q, key, value = layer.self_attn.project(x, cos, sin)
+        q, key, value = layer.self_attn.project(x, drafter.rotary, cos, sin)
         if cache is None:
             cache = (key, value)
             attn = F.scaled_dot_product_attention(q, key, value, is_causal=True)

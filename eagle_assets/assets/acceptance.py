@@ -7,11 +7,11 @@ from eagle_assets.drafter.checkpoint_eval import acceptance_verdict
 
 
 def acceptance_check(t, heldout, unseen, missing: list[str], png_fn, unseen_note: str | None = None,
-                     by_mode=None) -> dg.AssetCheckResult:
+                     by_mode=None, drafter: str | None = None) -> dg.AssetCheckResult:
     """The check result of :func:`~eagle_assets.drafter.checkpoint_eval.acceptance_verdict`: passed at level OK,
     severity ERROR at level ERROR, else WARN; metadata: the mean with its interval, the levels, tau per partition
-    (and per thinking mode, and on the unseen source, when measured) and the per-position acceptance plot
-    (``png_fn(curves)``)."""
+    (and per thinking mode, and on the unseen source, when measured), the per-position acceptance plot
+    (``png_fn(curves)``) and which drafter was measured (``drafter``, ``DrafterConfig.describe()``)."""
     from eagle_assets.figures.plots import png_markdown
 
     verdict = acceptance_verdict(t, heldout, unseen, missing, unseen_note, by_mode)
@@ -19,6 +19,7 @@ def acceptance_check(t, heldout, unseen, missing: list[str], png_fn, unseen_note
     if unseen is not None:
         curves["unseen source"] = unseen
     metadata = {
+        "drafter_architecture": drafter,
         "mean_tau": heldout.mean_tau,
         "mean_tau_ci95": dg.MetadataValue.json(heldout.mean_tau_ci95),
         "tau_error_at_or_under": verdict.error_at,
@@ -44,6 +45,6 @@ def acceptance_check(t, heldout, unseen, missing: list[str], png_fn, unseen_note
         check_name="acceptance_length",
         passed=verdict.level == "OK",
         severity=dg.AssetCheckSeverity.ERROR if verdict.level == "ERROR" else dg.AssetCheckSeverity.WARN,
-        description=verdict.text,
+        description=verdict.text + (f" [drafter: {drafter}]" if drafter else ""),
         metadata=metadata,
     )

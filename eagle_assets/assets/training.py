@@ -126,6 +126,9 @@ def _training_metadata(result, png: bytes, train_rows: int, held_rows: int, keys
     tenth = max(1, len(losses) // 10)
     return {
         "checkpoint": dg.MetadataValue.path(str(result.checkpoint_dir)),
+        "drafter_architecture": result.drafter_config.describe(),
+        "sglang_class": result.checkpoint.config["architectures"][0],
+        "parameters": result.checkpoint.parameters,
         "train_rows": train_rows,
         "validation_rows": result.validation_rows,
         "heldout_rows": held_rows,
@@ -222,7 +225,7 @@ def train_and_evaluate(context: dg.AssetExecutionContext, settings: PipelineSett
         context.log.info(f"acceptance from served features: {served.source.stats.to_dict()}")
     context.log.info(f"acceptance simulated in {measured.seconds:.1f}s")
     yield acceptance_check(t, measured.heldout, measured.unseen, measured.missing, acceptance_png,
-                           measured.unseen_note, measured.by_mode)
+                           measured.unseen_note, measured.by_mode, drafter=drafter.config.describe())
 
 
 def build_training_assets(full_asset_graph: Callable[[], Any] | None = None) -> list:

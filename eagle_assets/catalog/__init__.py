@@ -46,11 +46,11 @@ from eagle_assets.catalog.partitions import (
     Thresholds,
     chunk_keys,
 )
-from eagle_assets.catalog.training import BucketCap, FeaturesSpec, MixSpec, TrainingSpec, UnseenEvalSpec
+from eagle_assets.catalog.training import BucketCap, DrafterSpec, FeaturesSpec, MixSpec, TrainingSpec, UnseenEvalSpec
 
 __all__ = [
     "CATALOG_ENV", "CHUNK_KEY_RE", "MAX_CHUNKS", "PARTITION_KEY_RE", "BucketCap", "Catalog", "CatalogError",
-    "FeaturesSpec", "LiveSpec", "MixSpec", "PartitionSpec", "SamplingSpec", "ServerSpec", "ShareLevels", "SourceSpec",
-    "StrictModel", "TargetSpec", "Thresholds", "TrainingSpec", "UnseenEvalSpec", "chunk_keys", "default_catalog_path",
-    "load_catalog", "repo_root",
+    "DrafterSpec", "FeaturesSpec", "LiveSpec", "MixSpec", "PartitionSpec", "SamplingSpec", "ServerSpec",
+    "ShareLevels", "SourceSpec", "StrictModel", "TargetSpec", "Thresholds", "TrainingSpec", "UnseenEvalSpec",
+    "chunk_keys", "default_catalog_path", "load_catalog", "repo_root",
 ]

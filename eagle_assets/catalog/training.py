@@ -137,6 +137,30 @@ class FeaturesSpec(StrictModel):
         return [self.url] if isinstance(self.url, str) else list(self.url)
 
 
+class DrafterSpec(StrictModel):
+    """``training.drafter``: which EAGLE-3 drafter is trained and exported (``drafter.model.DraftArchitecture``).
+
+    ``architecture``: ``auto`` (``mla`` for a multi-latent-attention target: DeepSeek-V3/R1, Kimi-K2.x; ``llama``
+    otherwise), ``llama`` (SGLang ``LlamaForCausalLMEagle3``) or ``mla`` (``Eagle3DeepseekV2ForCausalLM``, as the
+    public ``lightseekorg/kimi-k2.5-eagle3-mla`` and ``kimi-k2.6-eagle3.1-mla`` drafts). ``fc_norm`` /
+    ``norm_output``: the EAGLE-3.1 switches (null = on for mla, off for llama). ``norm_before_fc`` (llama),
+    ``num_hidden_layers`` (mla: 1), ``window`` (sliding attention window in tokens, llama; null = full), and the MLA
+    dims (null = the target's own).
+    """
+
+    architecture: Literal["auto", "llama", "mla"] = "auto"
+    fc_norm: bool | None = None
+    norm_output: bool | None = None
+    norm_before_fc: bool = False
+    num_hidden_layers: int = Field(1, gt=0)
+    window: int | None = Field(None, gt=0)
+    q_lora_rank: int | None = Field(None, gt=0)
+    kv_lora_rank: int | None = Field(None, gt=0)
+    qk_nope_head_dim: int | None = Field(None, gt=0)
+    qk_rope_head_dim: int | None = Field(None, gt=0)
+    v_head_dim: int | None = Field(None, gt=0)
+
+
 class TrainingSpec(StrictModel):
     """Drafter training settings (EAGLE-3 defaults: 7 TTT steps, 32k draft vocab).
 
@@ -182,6 +206,7 @@ class TrainingSpec(StrictModel):
     nproc_per_node: int = Field(1, gt=0)
     mix: MixSpec = Field(default_factory=MixSpec)
     features: FeaturesSpec = Field(default_factory=FeaturesSpec)  # local | served (docs/served_features.md)
+    drafter: DrafterSpec = Field(default_factory=DrafterSpec)  # llama | mla, EAGLE-3.1 switches (docs/drafters.md)
 
     @field_validator("aux_layer_ids")
     @classmethod

@@ -1,21 +1,31 @@
 """Write, check and read back an SGLang-loadable EAGLE-3 drafter directory.
 
-Contract (SGLang ``python/sglang/srt/models/llama_eagle3.py``, ``LlamaForCausalLMEagle3``):
+Contract (SGLang 0.5.23): ``architecture: llama`` -> ``python/sglang/srt/models/llama_eagle3.py``
+``LlamaForCausalLMEagle3``; ``architecture: mla`` -> ``kimi_k25_eagle3.py`` ``Eagle3DeepseekV2ForCausalLM``.
 
-- ``config.json``: ``architectures: ["LlamaForCausalLMEagle3"]``, ``model_type: "llama"``, ``num_hidden_layers: 1``
-  (more layers would make SGLang build ``additional_layers`` we never train), ``tie_word_embeddings: false`` (true
-  would make SGLang use the embedding as lm_head and drop ours), ``draft_vocab_size`` (None would make SGLang load
-  the target's full lm_head instead), ``target_hidden_size``, ``hidden_act: "silu"`` (its ``LlamaMLP`` refuses
-  others), and ``eagle_config.eagle_aux_hidden_state_layer_ids`` in LAYER-OUTPUT numbering (SGLang adds 1 to get
-  capture ids; see :mod:`eagle_assets.drafter.features.local_capture`).
-- ``model.safetensors``: exactly :data:`EXPECTED_KEYS`. SGLang's ``load_weights`` silently skips names it does not
-  know and leaves unloaded parameters at their initial values, so a wrong name is a silent garbage drafter: hence
-  the strict validator. ``embed_tokens`` is never shipped (the target's embedding is shared).
+- ``config.json``: ``architectures`` (the class), ``model_type`` (``llama`` / ``deepseek_v3``, so transformers'
+  ``AutoConfig`` builds a config with the fields the class reads), ``num_hidden_layers`` (every layer is trained;
+  the MLA class takes exactly 1), ``tie_word_embeddings: false`` (true would make SGLang use the embedding as
+  lm_head and drop ours), ``draft_vocab_size`` (None would make SGLang load the target's full lm_head instead),
+  ``target_hidden_size``, ``hidden_act: "silu"`` (its MLPs refuse others), the EAGLE-3.1 switches ``fc_norm`` and
+  ``norm_output`` and the Llama class's ``norm_before_fc``, for MLA its dims and ``rope_interleave: true``, and
+  ``eagle_config.eagle_aux_hidden_state_layer_ids`` in LAYER-OUTPUT numbering (SGLang adds 1 to get capture ids;
+  see :mod:`eagle_assets.drafter.features.local_capture`). A sliding window is served with
+  ``--speculative-draft-window-size`` (SGLang never reads it from the config); it is recorded under
+  ``speculative_draft_window_size`` so :func:`serve_flags` can print it.
+- ``model.safetensors``: exactly the names :func:`expected_tensors` gives: a one-layer Llama draft under the legacy
+  ``midlayer.*`` (what every SGLang release and SpecForge read), every other draft under ``layers.N.*`` (SGLang maps
+  ``midlayer`` -> ``layers.0`` itself; its MLA class maps ``layers.0`` -> ``midlayer``). Layers after the first of a
+  Llama draft carry an ``input_layernorm`` SGLang builds and never uses: it is written as ones so that every
+  parameter of SGLang's class is loaded. SGLang's ``load_weights`` silently skips names it does not know and leaves
+  unloaded parameters at their initial values, so a wrong name is a silent garbage drafter: hence the strict
+  validator. ``embed_tokens`` is never shipped (the target's embedding is shared).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -33,7 +43,13 @@ from eagle_assets.drafter.features.local_capture import (
     capture_to_layer_output_ids,
     layer_output_to_capture_ids,
 )
-from eagle_assets.drafter.model import DrafterConfig, Eagle3DraftModel, rope_settings
+from eagle_assets.drafter.model import (
+    MLA_DIMS,
+    DrafterConfig,
+    Eagle3DraftModel,
+    canonical_name,
+    rope_settings,
+)
 from eagle_assets.drafter.vocab import DraftVocab, draft_vocab_from_arrays, validate_draft_vocab
 
 WEIGHT_KEYS: tuple[str, ...] = (
@@ -51,8 +67,10 @@ WEIGHT_KEYS: tuple[str, ...] = (
     "norm.weight",
     "lm_head.weight",
 )
-EXPECTED_KEYS: frozenset[str] = frozenset(WEIGHT_KEYS + ("d2t", "t2d"))
+EXPECTED_KEYS: frozenset[str] = frozenset(WEIGHT_KEYS + ("d2t", "t2d"))  # of the default one-layer Llama draft
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+#: drafter architecture -> (SGLang class, config model_type)
+CLASSES = {"llama": (ARCHITECTURE, "llama"), "mla": ("Eagle3DeepseekV2ForCausalLM", "deepseek_v3")}
 _FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -80,20 +98,26 @@ class CheckpointReport:
     aux_capture_ids: list[int]
     warnings: list[str] = field(default_factory=list)
 
+    @property
+    def parameters(self) -> int:
+        """Weights the checkpoint ships (every float tensor's element count; the shared embedding not included)."""
+        return sum(math.prod(shape) for name, (shape, _) in self.tensors.items() if name not in ("d2t", "t2d"))
+
 
 def drafter_config_json(config: DrafterConfig) -> dict[str, Any]:
     """The ``config.json`` dict of a drafter (field list in the module docstring).
 
     Rotary settings are written both the transformers-4 way (``rope_theta`` + ``rope_scaling``, read by SGLang's
-    ``LlamaDecoderLayer``) and the transformers-5 way (``rope_parameters``).
+    ``LlamaDecoderLayer`` and ``Eagle3MLADecoderLayer``) and the transformers-5 way (``rope_parameters``).
     """
     rope_parameters = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling is not None:
         rope_parameters = {**dict(config.rope_scaling), "rope_theta": config.rope_theta}
+    architecture, model_type = CLASSES[config.architecture]
     out: dict[str, Any] = {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
+        "architectures": [architecture],
+        "model_type": model_type,
+        "num_hidden_layers": config.num_hidden_layers,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_attention_heads": config.num_attention_heads,
@@ -110,20 +134,113 @@ def drafter_config_json(config: DrafterConfig) -> dict[str, Any]:
         "rope_parameters": rope_parameters,
         "attention_bias": False,
         "mlp_bias": False,
+        "bias": config.bias,
+        "fc_norm": config.fc_norm,
+        "norm_output": config.norm_output,
+        "norm_before_fc": config.norm_before_fc,
         "tie_word_embeddings": False,
         "initializer_range": config.initializer_range,
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": capture_to_layer_output_ids(config.aux_capture_ids),
             "use_aux_hidden_state": True,
         },
+        "speculative_draft_window_size": config.window,
         "torch_dtype": config.torch_dtype,
         "dtype": config.torch_dtype,
     }
+    if config.architecture == "mla":
+        del out["head_dim"]  # DeepseekV3Config derives it (qk_rope_head_dim); MLA heads are sized by the dims below
+        out.update({name: getattr(config, name) for name in MLA_DIMS})
+        out["rope_interleave"] = True
     if config.bos_token_id is not None:
         out["bos_token_id"] = config.bos_token_id
     if config.eos_token_id is not None:
         out["eos_token_id"] = config.eos_token_id
     return out
+
+
+def drafter_config_from_json(cfg: dict[str, Any]) -> DrafterConfig:
+    """The :class:`DrafterConfig` of a checkpoint's ``config.json`` (ours, or one written before the architecture
+    fields existed: absent ones are the one-layer Llama draft's).
+
+    Raises:
+        CheckpointError: a field is missing or the combination cannot be built.
+    """
+    kind = {cls: arch for arch, (cls, _) in CLASSES.items()}.get((cfg.get("architectures") or [None])[0])
+    theta, scaling = rope_settings(cfg)
+    eagle = cfg.get("eagle_config") or {}
+    try:
+        return DrafterConfig(
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            vocab_size=cfg["vocab_size"],
+            draft_vocab_size=cfg["draft_vocab_size"],
+            target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            aux_capture_ids=tuple(layer_output_to_capture_ids(eagle.get("eagle_aux_hidden_state_layer_ids") or [])),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+            architecture=kind or "llama",
+            num_hidden_layers=int(cfg.get("num_hidden_layers") or 1),
+            fc_norm=bool(cfg.get("fc_norm") or cfg.get("use_aux_norm")),
+            norm_output=bool(cfg.get("norm_output")),
+            norm_before_fc=bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc"))),
+            bias=bool(cfg.get("bias")),
+            window=cfg.get("speculative_draft_window_size"),
+            **({name: cfg.get(name) for name in MLA_DIMS} if kind == "mla" else {}),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"config.json does not describe a drafter this project can build: {exc}") from None
+
+
+def export_name(config: DrafterConfig, name: str) -> str:
+    """A drafter state name as the checkpoint stores it (module docstring: ``midlayer.*`` for a one-layer Llama
+    draft, else unchanged)."""
+    if config.architecture == "llama" and config.num_hidden_layers == 1 and name.startswith("layers.0."):
+        return "midlayer." + name[len("layers.0."):]
+    return name
+
+
+def _unused_norms(config: DrafterConfig) -> list[str]:
+    """``layers.N.input_layernorm.weight`` (N >= 1) of a Llama draft: built by SGLang, never read by its forward."""
+    if config.architecture != "llama":
+        return []
+    return [f"layers.{i}.input_layernorm.weight" for i in range(1, config.num_hidden_layers)]
+
+
+def expected_tensors(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """``{checkpoint name: shape}`` of every tensor a drafter of ``config`` ships, ``d2t``/``t2d`` included (the
+    shapes are the model's own, built on the meta device)."""
+    with torch.device("meta"):
+        model = Eagle3DraftModel(config)
+    out = {export_name(config, k): tuple(v.shape) for k, v in model.state_dict().items()}
+    out.update({name: (config.hidden_size,) for name in _unused_norms(config)})
+    out.update({"d2t": (config.draft_vocab_size,), "t2d": (config.vocab_size,)})
+    return out
+
+
+def serve_flags(checkpoint: str | Path, k: int) -> list[str]:
+    """SGLang 0.5.23 ``launch_server`` flags that serve the drafter at ``checkpoint`` as the acceptance simulation
+    drafts (a chain of ``k`` drafts: ``--speculative-eagle-topk 1``, ``k + 1`` draft tokens per verification), with
+    ``--speculative-draft-window-size`` when it was trained with a window (SGLang reads it from the flag only)."""
+    flags = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(checkpoint),
+             "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+             "--speculative-num-draft-tokens", str(k + 1)]
+    try:
+        window = json.loads((Path(checkpoint) / "config.json").read_text()).get("speculative_draft_window_size")
+    except (OSError, ValueError):
+        window = None
+    if window is not None:
+        flags += ["--speculative-draft-window-size", str(int(window))]
+    return flags
 
 
 def export_checkpoint(
@@ -134,7 +251,7 @@ def export_checkpoint(
     out_dir: str | Path,
     dtype: str | None = None,
 ) -> CheckpointReport:
-    """Write ``config.json`` + ``model.safetensors`` for SGLang's ``LlamaForCausalLMEagle3`` and validate them.
+    """Write ``config.json`` + ``model.safetensors`` for the drafter's SGLang class and validate them.
 
     Args:
         model: the trained drafter.
@@ -178,13 +295,10 @@ def export_checkpoint(
         raise CheckpointError(f"unsupported export dtype {dtype_name!r}; use one of {sorted(_FLOAT_DTYPES)}")
     torch_dtype = _FLOAT_DTYPES[dtype_name]
 
-    state = model.state_dict()
-    if set(state) != set(WEIGHT_KEYS):
-        raise CheckpointError(
-            f"drafter state has unexpected names: missing {sorted(set(WEIGHT_KEYS) - set(state))}, "
-            f"extra {sorted(set(state) - set(WEIGHT_KEYS))}"
-        )
-    tensors = {k: state[k].detach().to("cpu", torch_dtype).contiguous() for k in WEIGHT_KEYS}
+    tensors = {export_name(cfg, k): v.detach().to("cpu", torch_dtype).contiguous()
+               for k, v in model.state_dict().items()}
+    for name in _unused_norms(cfg):
+        tensors[name] = torch.ones(cfg.hidden_size, dtype=torch_dtype)
     tensors["d2t"] = torch.from_numpy(np.ascontiguousarray(draft_vocab.d2t, dtype=np.int64))
     tensors["t2d"] = torch.from_numpy(np.ascontiguousarray(draft_vocab.t2d, dtype=np.bool_))
     config_json = drafter_config_json(_with_dtype(cfg, dtype_name))
@@ -262,15 +376,22 @@ def validate_checkpoint(checkpoint_dir: str | Path, target_config: Any = None) -
         except Exception as exc:  # safetensors raises several types for a corrupt header
             problems.append(f"{path.name} is not a readable safetensors file: {exc}")
 
-    if files:
-        missing = sorted(EXPECTED_KEYS - set(tensors))
-        extra = sorted(set(tensors) - EXPECTED_KEYS)
-        for key in missing:
-            problems.append(f"missing tensor {key}")
-        for key in extra:
+    dconf = None
+    if not problems:
+        try:
+            dconf = drafter_config_from_json(cfg)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    if files and dconf is not None:
+        expected = {canonical_name(k): (k, shape) for k, shape in expected_tensors(dconf).items()}
+        stored = {canonical_name(k): k for k in tensors}
+        for key in sorted(set(expected) - set(stored)):
+            problems.append(f"missing tensor {expected[key][0]}")
+        for key in sorted(set(stored) - set(expected)):
             why = " (never ship embed_tokens: SGLang shares the target's)" if "embed" in key else ""
-            problems.append(f"stray tensor {key}{why}; SGLang would skip or misuse it")
-        _check_shapes(cfg, tensors, problems)
+            problems.append(f"stray tensor {stored[key]}{why}; SGLang would skip or misuse it")
+        _check_shapes(cfg, {canonical_name(k): v for k, v in tensors.items()},
+                      {k: shape for k, (_, shape) in expected.items()}, problems)
         if d2t is not None and t2d is not None and isinstance(cfg.get("vocab_size"), int):
             try:
                 validate_draft_vocab(d2t, t2d, cfg["vocab_size"])
@@ -310,32 +431,14 @@ def load_drafter(
         CheckpointError: the directory fails validation.
     """
     report = validate_checkpoint(checkpoint_dir, target_config=getattr(target, "config", None))
-    cfg = report.config
-    theta, scaling = rope_settings(cfg)
-    dconf = DrafterConfig(
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-        vocab_size=cfg["vocab_size"],
-        draft_vocab_size=cfg["draft_vocab_size"],
-        target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=cfg.get("max_position_embeddings", 8192),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        aux_capture_ids=tuple(report.aux_capture_ids),
-        hidden_act=cfg.get("hidden_act", "silu"),
-        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=cfg.get("eos_token_id"),
-    )
+    dconf = drafter_config_from_json(report.config)
+    unused = set(_unused_norms(dconf))
     state: dict[str, torch.Tensor] = {}
     for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
-                state[key] = handle.get_tensor(key)
+                if canonical_name(key) not in unused:
+                    state[canonical_name(key)] = handle.get_tensor(key)
     vocab = draft_vocab_from_arrays(state.pop("d2t").numpy(), state.pop("t2d").numpy())
     model = Eagle3DraftModel(dconf, draft_token_ids=torch.from_numpy(vocab.draft_token_ids))
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
@@ -347,12 +450,15 @@ def load_drafter(
 
 
 def _check_config(cfg: dict[str, Any], problems: list[str]) -> None:
-    if cfg.get("architectures") != [ARCHITECTURE]:
-        problems.append(f"architectures is {cfg.get('architectures')!r}, must be [{ARCHITECTURE!r}]")
-    if cfg.get("model_type") != "llama":
-        problems.append(f"model_type is {cfg.get('model_type')!r}, must be 'llama'")
-    if cfg.get("num_hidden_layers") != 1:
-        problems.append(f"num_hidden_layers is {cfg.get('num_hidden_layers')!r}, must be 1 (one midlayer)")
+    classes = {cls: model_type for cls, model_type in CLASSES.values()}
+    arch = cfg.get("architectures")
+    if not (isinstance(arch, list) and len(arch) == 1 and arch[0] in classes):
+        problems.append(f"architectures is {arch!r}, must be one of {[[c] for c in classes]}")
+    elif cfg.get("model_type") != classes[arch[0]]:
+        problems.append(f"model_type is {cfg.get('model_type')!r}, must be {classes[arch[0]]!r} for {arch[0]}")
+    layers = cfg.get("num_hidden_layers")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        problems.append(f"num_hidden_layers is {layers!r}, must be a positive integer (the draft's layers)")
     if cfg.get("tie_word_embeddings") is not False:
         problems.append("tie_word_embeddings must be false (true makes SGLang use embed_tokens as lm_head)")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -371,8 +477,8 @@ def _check_config(cfg: dict[str, Any], problems: list[str]) -> None:
             f"target_hidden_size {ths} != hidden_size {cfg.get('hidden_size')}: SGLang then does not share the "
             "target's embedding, and this checkpoint ships none"
         )
-    if cfg.get("attention_bias") or cfg.get("bias"):
-        problems.append("attention_bias/bias must be false: no bias tensors are exported")
+    if cfg.get("attention_bias"):
+        problems.append("attention_bias must be false: SGLang's draft attention has no bias")
     eagle = cfg.get("eagle_config")
     if not isinstance(eagle, dict):
         problems.append(
@@ -394,35 +500,8 @@ def _check_config(cfg: dict[str, Any], problems: list[str]) -> None:
         )
 
 
-def _check_shapes(cfg: dict[str, Any], tensors: dict[str, tuple[tuple[int, ...], str]], problems: list[str]) -> None:
-    try:
-        h = int(cfg["hidden_size"])
-        inter = int(cfg["intermediate_size"])
-        nh = int(cfg["num_attention_heads"])
-        nkv = int(cfg.get("num_key_value_heads") or nh)
-        hd = int(cfg.get("head_dim") or h // nh)
-        vocab = int(cfg["vocab_size"])
-        draft = int(cfg["draft_vocab_size"])
-        th = int(cfg.get("target_hidden_size") or h)
-    except (KeyError, TypeError, ValueError):
-        return  # config problems already reported
-    expected = {
-        "fc.weight": (h, 3 * th),
-        "midlayer.self_attn.q_proj.weight": (nh * hd, 2 * h),
-        "midlayer.self_attn.k_proj.weight": (nkv * hd, 2 * h),
-        "midlayer.self_attn.v_proj.weight": (nkv * hd, 2 * h),
-        "midlayer.self_attn.o_proj.weight": (h, nh * hd),
-        "midlayer.mlp.gate_proj.weight": (inter, h),
-        "midlayer.mlp.up_proj.weight": (inter, h),
-        "midlayer.mlp.down_proj.weight": (h, inter),
-        "midlayer.hidden_norm.weight": (h,),
-        "midlayer.input_layernorm.weight": (h,),
-        "midlayer.post_attention_layernorm.weight": (h,),
-        "norm.weight": (h,),
-        "lm_head.weight": (draft, h),
-        "d2t": (draft,),
-        "t2d": (vocab,),
-    }
+def _check_shapes(cfg: dict[str, Any], tensors: dict[str, tuple[tuple[int, ...], str]],
+                  expected: dict[str, tuple[int, ...]], problems: list[str]) -> None:
     declared = str(cfg.get("torch_dtype") or cfg.get("dtype") or "")
     float_dtypes = set()
     for key, shape in expected.items():

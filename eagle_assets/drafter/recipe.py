@@ -63,8 +63,10 @@ size follows the target (7168), and the target forward dominates the cost, so fe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
+
+from eagle_assets.drafter.model import DraftArchitecture
 
 #: learning-rate schedules :func:`lr_at` knows.
 SCHEDULES = ("cosine", "constant")
@@ -108,6 +110,8 @@ class TrainConfig:
         keep_best: export the weights of the best validation tau (True) or the last step's (False).
         save_every_steps: with a ``state_dir``, a training state is written every this many optimizer steps and at
             the end of every epoch and evaluation (0 = at those points only). Ignored without a ``state_dir``.
+        drafter: which drafter to build (:class:`~eagle_assets.drafter.model.DraftArchitecture`; resolved against
+            the target, it is part of the drafter config every saved state is fingerprinted with).
     """
 
     lr: float = 3e-4
@@ -135,6 +139,11 @@ class TrainConfig:
     min_delta: float = 0.0
     keep_best: bool = True
     save_every_steps: int = 50
+    drafter: DraftArchitecture = field(default_factory=DraftArchitecture)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.drafter, dict):  # read back from JSON (train_command, training_metrics.json)
+            object.__setattr__(self, "drafter", DraftArchitecture(**self.drafter))
 
 
 #: TrainConfig fields that change the sequence of weights (or, through early stopping, where it ends); a saved
@@ -184,7 +193,7 @@ def config_from_catalog(training: Any, **overrides: Any) -> TrainConfig:
                   warmup_steps=t.warmup_steps, schedule=t.schedule, acceptance_k=t.acceptance_k,
                   acceptance_max_positions=t.acceptance_max_positions, eval_every_tokens=t.eval_every_tokens,
                   patience=t.patience, min_delta=t.min_delta, save_every_steps=t.save_every_steps,
-                  num_threads=t.threads)
+                  num_threads=t.threads, drafter=DraftArchitecture(**t.drafter.model_dump()))
     fields.update(overrides)
     return TrainConfig(**fields)
 

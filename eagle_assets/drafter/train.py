@@ -311,7 +311,7 @@ class _Run:
 
         self.dtype_name = config.export_dtype or _stored_dtype(target_dir, self.target.config)
         self.dconf = DrafterConfig.from_target(self.target.config, draft_vocab.draft_vocab_size, self.capture,
-                                               config.intermediate_size)
+                                               config.intermediate_size, config.drafter)
         # The caller runs us inside torch.random.fork_rng: seeding here neither reads nor disturbs its generator.
         torch.manual_seed(config.seed)
         self.draft_ids = torch.from_numpy(draft_vocab.draft_token_ids)

@@ -28,7 +28,7 @@ from torch import nn
 
 from eagle_assets.drafter.features.local_cache import PreparedRow
 from eagle_assets.drafter.learning_curve import CurvePoint, StepMetrics
-from eagle_assets.drafter.model import DrafterConfig
+from eagle_assets.drafter.model import DrafterConfig, canonical_name
 from eagle_assets.drafter.recipe import TRAJECTORY_FIELDS, StepPlan, TrainConfig
 from eagle_assets.drafter.vocab import DraftVocab
 from eagle_assets.storage.shards import atomic_file, fsync_path
@@ -172,8 +172,9 @@ class TrainState:
         ``state.json``: the commit record: :data:`STATE_VERSION`, the run fingerprint (see :func:`fingerprint`),
             optimizer steps done, the tensors file it goes with and that file's size, completed epoch summaries,
             the running epoch's accumulators and counters, the learning curve and the early-stopping record.
-        ``tensors-<step>.safetensors``: drafter weights ``model.<name>`` (float32, the names of
-            :data:`~eagle_assets.drafter.export.WEIGHT_KEYS`), the best validation weights so far ``best.<name>``
+        ``tensors-<step>.safetensors``: drafter weights ``model.<name>`` (float32, the drafter's state names;
+            a state written before multi-layer drafts holds ``midlayer.*``, read as ``layers.0.*``), the best
+            validation weights so far ``best.<name>``
             (when there are validation rows), AdamW state ``optim.<param index>.<key>`` (``step`` float32 scalar,
             ``exp_avg`` and ``exp_avg_sq`` float32 shaped like the parameter; index = position in
             ``model.parameters()``) and the torch CPU RNG state ``rng.torch`` (uint8).
@@ -321,8 +322,9 @@ def restore_tensors(
         changed then).
     """
     weights = model.state_dict()
-    model_part = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-    best_part = {k[len("best."):]: v for k, v in tensors.items() if k.startswith("best.")}
+    # states written before multi-layer drafts name layer 0 ``midlayer.*``: read in today's names
+    model_part = {canonical_name(k[len("model."):]): v for k, v in tensors.items() if k.startswith("model.")}
+    best_part = {canonical_name(k[len("best."):]): v for k, v in tensors.items() if k.startswith("best.")}
     if set(model_part) != set(weights) or (best_part and set(best_part) != set(weights)):
         return f"its weight names differ from the drafter's ({sorted(set(model_part) ^ set(weights))})", None
     bad = [k for part in (model_part, best_part) for k, v in part.items()
