@@ -21,7 +21,7 @@ from eagle_assets.drafter.export import (
     validate_checkpoint,
 )
 from eagle_assets.drafter.features.local_capture import aux_layer_ids
-from eagle_assets.drafter.model import DrafterConfig, Eagle3DraftModel
+from eagle_assets.drafter.model import DraftArchitecture, DrafterConfig, Eagle3DraftModel
 from eagle_assets.drafter.vocab import build_draft_vocab
 
 VOCAB, HIDDEN, LAYERS, DRAFT = 300, 64, 8, 120
@@ -246,3 +246,67 @@ def test_validator_checks_the_checkpoint_against_its_target(exported, target):
     with pytest.raises(CheckpointError) as err:
         validate_checkpoint(exported, target_config=smaller)
     assert "vocab_size 300 differs" in str(err.value) and "4-layer target" in str(err.value)
+
+
+def test_a_checkpoint_from_before_the_architecture_fields_loads_and_resumes(exported, drafter, target):
+    """Pre-3.1 exports: no fc_norm / norm_output / norm_before_fc / bias / window keys in config.json, layer 0 under
+    ``midlayer.*``; and a training state that names it ``model.midlayer.*``: both are read as today's one-layer
+    Llama draft (the state's fingerprint keeps its drafter dict: the new fields are left out at their defaults)."""
+    from eagle_assets.drafter.train_state import restore_tensors, state_tensors
+
+    rewrite_config(exported, fc_norm=..., norm_output=..., norm_before_fc=..., bias=...,
+                   speculative_draft_window_size=...)
+    loaded, _ = load_drafter(exported, target)
+    assert loaded.config == drafter.config and loaded.config.to_dict() == drafter.config.to_dict()
+    assert not set(drafter.config.to_dict()) & {"architecture", "fc_norm", "norm_output", "num_hidden_layers"}
+    for name, w in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], w), name
+
+    optimizer = torch.optim.AdamW(list(drafter.parameters()), lr=1e-3)
+    old = {k.replace("model.layers.0.", "model.midlayer.").replace("best.layers.0.", "best.midlayer."): v
+           for k, v in state_tensors(drafter, optimizer, dict(drafter.state_dict())).items()}
+    assert any(k.startswith("model.midlayer.") for k in old)
+    fresh, _ = load_drafter(exported, target)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    why, best = restore_tensors(fresh, torch.optim.AdamW(list(fresh.parameters()), lr=1e-3),
+                                list(fresh.parameters()), old)
+    assert why is None and set(best) == set(drafter.state_dict())
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in drafter.state_dict().items())
+
+
+@pytest.mark.parametrize("arch", [
+    DraftArchitecture("llama", fc_norm=True, norm_output=True),
+    DraftArchitecture("llama", num_hidden_layers=3, norm_before_fc=True, window=16),
+    DraftArchitecture("mla", q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12),
+])
+def test_every_architecture_round_trips_through_its_checkpoint(tmp_path, target, vocab, arch):
+    config = DrafterConfig.from_target(target.config, DRAFT, aux_layer_ids(LAYERS), intermediate_size=96, arch=arch)
+    torch.manual_seed(4)
+    model = Eagle3DraftModel(config, embed_weight=target.get_input_embeddings().weight,
+                             draft_token_ids=torch.from_numpy(vocab.draft_token_ids)).eval()
+    report = export_checkpoint(model, target.config, vocab, aux_layer_ids(LAYERS), tmp_path / "ckpt")
+    names = set(report.tensors)
+    if arch.architecture == "mla":
+        assert report.config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+        assert report.config["model_type"] == "deepseek_v3" and report.config["rope_interleave"] is True
+        assert {"layers.0.self_attn.q_a_proj.weight", "layers.0.self_attn.kv_a_proj_with_mqa.weight",
+                "fc_norm.2.weight"} <= names
+        assert AutoConfig.from_pretrained(tmp_path / "ckpt").kv_lora_rank == 16  # what SGLang's loader reads
+    else:
+        # a one-layer Llama draft keeps midlayer.* (what every SGLang release reads), deeper ones use layers.N.*
+        assert any(n.startswith("midlayer.") for n in names) == (arch.num_hidden_layers == 1)
+        assert (report.config["fc_norm"], report.config["norm_output"]) == (bool(arch.fc_norm), bool(arch.norm_output))
+    if arch.num_hidden_layers > 1:
+        assert report.tensors["layers.2.input_layernorm.weight"][0] == (HIDDEN,)  # SGLang builds it: written
+        assert report.config["speculative_draft_window_size"] == 16
+    loaded, _ = load_drafter(tmp_path / "ckpt", target)
+    assert loaded.config == model.config
+    gen = torch.Generator().manual_seed(5)
+    aux = torch.randn(1, 20, 3 * HIDDEN, generator=gen)
+    ids = torch.randint(0, VOCAB, (1, 20), generator=gen)
+    with torch.no_grad():
+        a, da = model.unroll(aux, ids, 3, feed_own_tokens=True)
+        b, db = loaded.unroll(aux, ids, 3, feed_own_tokens=True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and all(torch.equal(x, y) for x, y in zip(da, db))

@@ -184,24 +184,29 @@ def test_greedy_feed_uses_the_drafters_own_tokens(drafter):
     assert drafts[0][0, p] == drafter.logits(hiddens[0][0, p]).argmax()
 
 
-@pytest.mark.parametrize("row_offset", [0, 2])
-def test_chain_attention_gradients_match_a_dense_softmax(row_offset, monkeypatch):
+@pytest.mark.parametrize("row_offset, window, dv", [(0, -1, 4), (2, -1, 4), (2, 3, 6)])
+def test_chain_attention_gradients_match_a_dense_softmax(row_offset, window, dv, monkeypatch):
+    """Also with a sliding window (step 2: a query at row r, position r + 2, sees step-0 keys r - 1 .. r) and a
+    value width other than the key width (MLA)."""
     monkeypatch.setattr(drafter_model, "ATTENTION_BLOCK", 3)  # several blocks on a short sequence
     gen = torch.Generator().manual_seed(9)
-    b, h, t, d, n = 2, 2, 7, 4, 2
+    b, h, t, d, n, step = 2, 2, 7, 4, 2, 2
     tq = t - row_offset
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.double, requires_grad=True)
 
-    q, k0, v0 = rand(b, h, tq, d), rand(b, h, t, d), rand(b, h, t, d)
-    kd, vd = rand(b, h, tq, n, d), rand(b, h, tq, n, d)
-    assert torch.autograd.gradcheck(lambda *a: drafter_model._ChainAttention.apply(*a, row_offset), (q, k0, v0, kd, vd))
+    q, k0, v0 = rand(b, h, tq, d), rand(b, h, t, d), rand(b, h, t, dv)
+    kd, vd = rand(b, h, tq, n, d), rand(b, h, tq, n, dv)
+    chain = drafter_model._ChainAttention.apply
+    assert torch.autograd.gradcheck(lambda *a: chain(*a, row_offset, step, window), (q, k0, v0, kd, vd))
     rows = torch.arange(row_offset, t)[:, None]
-    s = (q @ k0.transpose(-1, -2)).masked_fill(torch.arange(t)[None] > rows, float("-inf"))
+    cols = torch.arange(t)[None]
+    hidden = (cols > rows) | ((cols < rows + step - window) if window >= 0 else torch.zeros_like(cols > rows))
+    s = (q @ k0.transpose(-1, -2)).masked_fill(hidden, float("-inf"))
     w = torch.softmax(torch.cat([s, (q.unsqueeze(-2) * kd).sum(-1)], -1), -1)
     dense = w[..., :t] @ v0 + (w[..., t:, None] * vd).sum(-2)
-    torch.testing.assert_close(drafter_model._ChainAttention.apply(q, k0, v0, kd, vd, row_offset), dense)
+    torch.testing.assert_close(chain(q, k0, v0, kd, vd, row_offset, step, window), dense)
 
 
 def test_soft_cross_entropy_matches_the_autograd_formula():

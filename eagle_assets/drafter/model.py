@@ -307,7 +307,8 @@ class Rotary(nn.Module):
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
-        inv_freq, scale = _inv_freq(config)
+        with torch.device("cpu"):  # real values even when the model is built on the meta device (shape checks)
+            inv_freq, scale = _inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scale = scale
         self.interleaved = config.architecture == "mla"
