@@ -194,3 +194,35 @@ def test_the_guide_catalog_example_is_a_valid_catalog():
     training = TrainingSpec(**example["training"])
     assert training.features.source == "local" and training.launcher == "inline"
     assert all(PartitionSpec(**spec) for spec in example["partitions"].values())
+
+
+def test_training_drafter_choice_resolves_per_target_class():
+    """``training.drafter``: auto -> llama (3.1 switches off) for a Qwen3 target, mla (switches on, dims from its
+    config) for a Kimi-K2.5 one; what SGLang would not serve is refused at catalog load."""
+    from pydantic import ValidationError
+
+    from eagle_assets.catalog import TrainingSpec
+    from eagle_assets.drafter.model import DrafterConfig
+    from eagle_assets.drafter.recipe import config_from_catalog
+
+    arch = config_from_catalog(TrainingSpec()).drafter
+    qwen3 = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 300,
+             "model_type": "qwen3", "head_dim": 16}
+    kimi = {"model_type": "kimi_k25", "text_config": {**qwen3, "model_type": "kimi_k2", "q_lora_rank": 48,
+                                                        "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                                                        "qk_rope_head_dim": 8, "v_head_dim": 16}}
+    llama = DrafterConfig.from_target(qwen3, 100, [1, 2, 3], arch=arch)
+    assert (llama.architecture, llama.fc_norm, llama.norm_output) == ("llama", False, False)
+    mla = DrafterConfig.from_target(kimi, 100, [1, 2, 3], arch=arch)
+    assert (mla.architecture, mla.fc_norm, mla.norm_output, mla.kv_lora_rank, mla.rotary_dim) == \
+        ("mla", True, True, 32, 8)
+    forced = config_from_catalog(TrainingSpec(drafter={"architecture": "llama", "num_hidden_layers": 2})).drafter
+    assert DrafterConfig.from_target(kimi, 100, [1, 2, 3], arch=forced).num_hidden_layers == 2
+    with pytest.raises(ValueError, match="an MLA draft needs"):
+        DrafterConfig.from_target(qwen3, 100, [1, 2, 3], arch=config_from_catalog(
+            TrainingSpec(drafter={"architecture": "mla"})).drafter)
+    for bad, needle in (({"architecture": "mla", "window": 64}, "Llama draft only"),
+                        ({"architecture": "mla", "num_hidden_layers": 2}, "exactly one layer"),
+                        ({"architecture": "llama", "window": 4}, "shorter than the 7 draft steps")):
+        with pytest.raises(ValidationError, match=needle):
+            TrainingSpec(drafter=bad)

@@ -228,7 +228,9 @@ def test_drafter_checkpoint_asset_trains_on_served_features(tmp_path):
     """The asset with ``features: served`` and no URL: the pipeline's server resource launches our embedded server
     (a subprocess) with SGLang's capture flags for the catalog's non-default ``aux_layer_ids``, and
     ``drafter_checkpoint`` trains from its replies and passes its checks. (That served and local features give the
-    same drafter is :func:`test_served_training_gives_the_local_drafter`; this test is the wiring.)"""
+    same drafter is :func:`test_served_training_gives_the_local_drafter`; this test is the wiring.) The catalog also
+    picks a non-default drafter (``training.drafter``: two layers with the EAGLE-3.1 switches), which the
+    checkpoint's metadata, its export and the acceptance check report."""
     import yaml
     from tiny_targets import tiny_qwen3
 
@@ -241,7 +243,8 @@ def test_drafter_checkpoint_asset_trains_on_served_features(tmp_path):
     training = {"draft_vocab_size": 200, "ttt_steps": 3, "epochs": 2, "lr": 1.0e-2, "batch_tokens": 96,
                 "holdout_fraction": 0.25, "validation_rows": 1, "acceptance_k": 3, "acceptance_max_positions": 8,
                 "threads": 1, "warmup_steps": 1, "mix": {"bucket_caps": []}, "aux_layer_ids": [1, 3, 7],
-                "features": {"source": "served", "teacher": "topk", "top_k": vocab}}
+                "features": {"source": "served", "teacher": "topk", "top_k": vocab},
+                "drafter": {"architecture": "llama", "num_hidden_layers": 2, "fc_norm": True, "norm_output": True}}
     catalog = {"target": {"model": str(target_dir)}, "server": {"launch": "embedded"},
                "partitions": {"P1": {"sources": [{"path": str(tmp_path / "source.jsonl"), "format": "messages"}],
                                      "sampling": {"max_new_tokens": 32}}},
@@ -255,7 +258,17 @@ def test_drafter_checkpoint_asset_trains_on_served_features(tmp_path):
     assert result.success, "\n".join(logs[-30:])
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
     assert checks["export_contract"] is True
+    drafter = "llama (2 layers, fc_norm, norm_output)"
+    (mat,) = [e.materialization for e in result.get_asset_materialization_events()
+              if e.asset_key.to_user_string() == "drafter_checkpoint"]
+    assert mat.metadata["drafter_architecture"].value == drafter
+    assert mat.metadata["sglang_class"].value == "LlamaForCausalLMEagle3" and mat.metadata["parameters"].value > 0
+    (acceptance,) = [e for e in result.get_asset_check_evaluations() if e.check_name == "acceptance_length"]
+    assert acceptance.metadata["drafter_architecture"].value == drafter
+    assert acceptance.description.endswith(f"[drafter: {drafter}]")
     stage = store / "served" / "drafter_checkpoint"
+    exported = json.loads((stage / "checkpoint" / "config.json").read_text())
+    assert (exported["num_hidden_layers"], exported["fc_norm"], exported["norm_output"]) == (2, True, True)
     metrics = json.loads((stage / "training_metrics.json").read_text())
     assert metrics["rows_used"] > 0 and metrics["aux_capture_ids"] == [1, 3, 7]
     # The feature source checked the launched server's /server_info against capture ids [1, 3, 7] before the first

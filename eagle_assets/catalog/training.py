@@ -160,6 +160,17 @@ class DrafterSpec(StrictModel):
     qk_rope_head_dim: int | None = Field(None, gt=0)
     v_head_dim: int | None = Field(None, gt=0)
 
+    @model_validator(mode="after")
+    def _what_sglang_serves(self) -> "DrafterSpec":
+        if self.architecture == "mla":
+            if self.num_hidden_layers != 1:
+                raise ValueError("an mla drafter has exactly one layer (SGLang 0.5.23's Eagle3DeepseekV2ForCausalLM): "
+                                 "set num_hidden_layers: 1")
+            if self.window is not None or self.norm_before_fc:
+                raise ValueError("window and norm_before_fc are read by SGLang's Llama draft only: leave them unset "
+                                 "for architecture mla")
+        return self
+
 
 class TrainingSpec(StrictModel):
     """Drafter training settings (EAGLE-3 defaults: 7 TTT steps, 32k draft vocab).
@@ -220,4 +231,9 @@ class TrainingSpec(StrictModel):
     def _run_length(self) -> TrainingSpec:
         if self.epochs is None and self.train_tokens is None:
             raise ValueError("set training.epochs or training.train_tokens (or both: the run stops at the first)")
+        steps = max(self.ttt_steps, self.acceptance_k)
+        if self.drafter.window is not None and self.drafter.window < steps:
+            raise ValueError(f"training.drafter.window {self.drafter.window} is shorter than the {steps} draft steps "
+                             "(ttt_steps, acceptance_k): a chain's own keys would fall out of it; use a window of at "
+                             f"least {steps} tokens")
         return self

@@ -387,7 +387,7 @@ class Eagle3Attention(nn.Module):
         if nh % nkv:
             raise ValueError(f"num_attention_heads ({nh}) must be a multiple of num_key_value_heads ({nkv})")
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, d
-        self.scale = d ** -0.5
+        self.scale = None  # 1 / sqrt(d), computed as every earlier release did (d ** -0.5 can differ in the last bit)
         self.q_proj = nn.Linear(in_dim, nh * d, bias=False)
         self.k_proj = nn.Linear(in_dim, nkv * d, bias=False)
         self.v_proj = nn.Linear(in_dim, nkv * d, bias=False)
