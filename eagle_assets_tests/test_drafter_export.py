@@ -310,3 +310,32 @@ def test_every_architecture_round_trips_through_its_checkpoint(tmp_path, target,
         a, da = model.unroll(aux, ids, 3, feed_own_tokens=True)
         b, db = loaded.unroll(aux, ids, 3, feed_own_tokens=True)
     assert all(torch.equal(x, y) for x, y in zip(a, b)) and all(torch.equal(x, y) for x, y in zip(da, db))
+
+
+def test_kimi_k25_target_gets_the_mla_drafter_sglang_serves_for_it(shared_data):
+    """The real Kimi-K2.5 config.json (``tokenizers/kimi-k2.5``): ``auto`` picks the MLA draft with the 3.1 switches
+    and the target's MLA dims and yarn rotary; the checkpoint it would export (shapes from the model built on the
+    meta device, nothing allocated) has the names and shapes ``Eagle3DeepseekV2ForCausalLM`` loads."""
+    from eagle_assets.drafter.export import drafter_config_from_json, drafter_config_json, expected_tensors
+    from eagle_assets.drafter.model import mla_softmax_scale
+
+    config = json.loads((shared_data / "tokenizers" / "kimi-k2.5" / "config.json").read_text())
+    dconf = DrafterConfig.from_target(config, 32000, [2, 31, 58], arch=DraftArchitecture())
+    assert (dconf.architecture, dconf.fc_norm, dconf.norm_output, dconf.num_hidden_layers) == ("mla", True, True, 1)
+    assert (dconf.hidden_size, dconf.num_attention_heads, dconf.vocab_size) == (7168, 64, 163840)
+    assert [getattr(dconf, n) for n in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                        "v_head_dim")] == [1536, 512, 128, 64, 128]
+    assert dconf.rope_scaling["factor"] == 64.0 and dconf.rope_theta == 50000.0
+    # SGLang: qk_head_dim ** -0.5 * yarn_get_mscale(64, mscale_all_dim=1) ** 2
+    assert mla_softmax_scale(dconf) == pytest.approx(192 ** -0.5 * (0.1 * np.log(64.0) + 1.0) ** 2)
+    shapes = expected_tensors(dconf)
+    assert shapes["layers.0.self_attn.q_a_proj.weight"] == (1536, 2 * 7168)
+    assert shapes["layers.0.self_attn.kv_a_proj_with_mqa.weight"] == (512 + 64, 2 * 7168)
+    assert shapes["layers.0.self_attn.q_b_proj.weight"] == (64 * 192, 1536)
+    assert shapes["layers.0.self_attn.kv_b_proj.weight"] == (64 * 256, 512)
+    assert shapes["layers.0.self_attn.o_proj.weight"] == (7168, 64 * 128)
+    assert shapes["fc.weight"] == (7168, 3 * 7168) and shapes["fc_norm.2.weight"] == (7168,)
+    assert shapes["lm_head.weight"] == (32000, 7168) and shapes["t2d"] == (163840,)
+    cfg = drafter_config_json(dconf)
+    assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and cfg["rope_interleave"] is True
+    assert drafter_config_from_json(json.loads(json.dumps(cfg))) == dconf
