@@ -144,12 +144,13 @@ class SpecForgeArm:
     def as_ours(self, dconf, vocab, target):
         """The trained weights in our :class:`Eagle3DraftModel` (SGLang's names: the same keys, embedding shared)."""
         from eagle_assets.drafter.export import WEIGHT_KEYS
-        from eagle_assets.drafter.model import Eagle3DraftModel
+        from eagle_assets.drafter.model import Eagle3DraftModel, canonical_name
 
-        state = {k: v.detach().float() for k, v in self.draft.state_dict().items() if k in WEIGHT_KEYS}
-        missing = set(WEIGHT_KEYS) - set(state)
+        theirs = {k: v.detach().float() for k, v in self.draft.state_dict().items() if k in WEIGHT_KEYS}
+        missing = set(WEIGHT_KEYS) - set(theirs)
         if missing:
             raise RuntimeError(f"SpecForge's drafter lacks SGLang weights {sorted(missing)}")
+        state = {canonical_name(k): v for k, v in theirs.items()}  # SpecForge's midlayer.* is our layers.0.*
         model = Eagle3DraftModel(dconf, embed_weight=target.get_input_embeddings().weight.float(),
                                  draft_token_ids=torch.from_numpy(vocab.draft_token_ids))
         model.load_state_dict(state, strict=True)

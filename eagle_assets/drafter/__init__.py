@@ -1,6 +1,7 @@
 """EAGLE-3 drafter: draft vocab, target features, model + TTT training, SGLang export/validation, simulated tau.
 
-Domain code only (no Dagster). Formats follow SGLang ``python/sglang/srt/models/llama_eagle3.py`` and the EAGLE-3
+Domain code only (no Dagster). Formats follow SGLang ``python/sglang/srt/models/llama_eagle3.py`` (and
+``kimi_k25_eagle3.py`` for MLA drafts; docs/drafters.md) and the EAGLE-3
 paper (arXiv 2503.01840); training follows SpecForge's TTT recipe (``specforge/algorithms/eagle3/model.py``).
 """
 
@@ -12,6 +13,7 @@ from eagle_assets.drafter.export import (
     drafter_config_json,
     export_checkpoint,
     load_drafter,
+    serve_flags,
     validate_checkpoint,
 )
 from eagle_assets.drafter.features.local_capture import (
@@ -21,7 +23,7 @@ from eagle_assets.drafter.features.local_capture import (
     run_target,
     target_features,
 )
-from eagle_assets.drafter.model import DrafterConfig, Eagle3DraftModel
+from eagle_assets.drafter.model import DraftArchitecture, DrafterConfig, Eagle3DraftModel
 from eagle_assets.drafter.train import (
     StepMetrics,
     TrainConfig,
@@ -42,6 +44,7 @@ __all__ = [
     "AcceptanceResult",
     "CheckpointError",
     "CheckpointReport",
+    "DraftArchitecture",
     "DraftVocab",
     "DrafterConfig",
     "EXPECTED_KEYS",
@@ -60,6 +63,7 @@ __all__ = [
     "layer_output_to_capture_ids",
     "load_drafter",
     "run_target",
+    "serve_flags",
     "simulate_acceptance",
     "target_features",
     "teacher_positions",
