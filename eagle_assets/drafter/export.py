@@ -149,7 +149,6 @@ def drafter_config_json(config: DrafterConfig) -> dict[str, Any]:
         "dtype": config.torch_dtype,
     }
     if config.architecture == "mla":
-        del out["head_dim"]  # DeepseekV3Config derives it (qk_rope_head_dim); MLA heads are sized by the dims below
         out.update({name: getattr(config, name) for name in MLA_DIMS})
         out["rope_interleave"] = True
     if config.bos_token_id is not None:

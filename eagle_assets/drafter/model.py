@@ -198,6 +198,8 @@ class DrafterConfig:
             raise ValueError(f"training.drafter.architecture {arch.architecture!r} is not auto, llama or mla")
         switch = kind == "mla"
         mla = {name: getattr(arch, name) or tget(name, None) for name in MLA_DIMS} if kind == "mla" else {}
+        if mla.get("qk_rope_head_dim"):
+            head_dim = mla["qk_rope_head_dim"]  # what DeepseekV3Config calls head_dim; MLA heads use the dims above
         return cls(
             hidden_size=hidden,
             intermediate_size=int(intermediate_size or tget("intermediate_size")),
