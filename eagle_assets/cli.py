@@ -50,7 +50,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     catalog_path = Path(args.catalog or default_catalog_path()).resolve()
     catalog = load_catalog(catalog_path)
     layout = Layout(default_storage_root(), catalog_path.stem)
-    files = [layout.base / "qc_shards" / k / "rows.parquet" for k in catalog.partition_keys]
+    files = [layout.base / "qc_shards" / k / "rows.parquet" for k in catalog.training_partition_keys]
     rows = length_report([f for f in files if f.exists()], short_tokens=catalog.short_tokens())
     if not rows:
         print(f"no QC rows under {layout.base}: run `eagle-assets run --catalog {catalog_path}` first")

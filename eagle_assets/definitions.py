@@ -25,6 +25,7 @@ from pathlib import Path
 import dagster as dg
 
 from eagle_assets.assets.automation import asset_conditions, build_automation_sensor
+from eagle_assets.assets.evaluation import build_evaluation_assets
 from eagle_assets.assets.exports import build_export_assets
 from eagle_assets.assets.generation import build_generation_assets
 from eagle_assets.assets.inputs import (
@@ -49,8 +50,10 @@ from eagle_assets.storage.shards import default_storage_root
 PARTITION_JOB = "partition_job"
 TRAINING_JOB = "training_job"
 DATASET_JOB = "dataset_job"  # only in Definitions of a catalog with a chunked dataset
+EVALUATION_JOB = "evaluation_job"  # only in Definitions of a catalog with an evaluation section
 PARTITION_ASSETS = ["raw_prompts", "tokenized_prompts", "generations", "qc_shards", "length_report"]
 TRAINING_ASSETS = ["draft_vocab", "training_mix", "drafter_checkpoint"]
+EVALUATION_ASSETS = ["evaluation"]
 # Each run observes the inputs it reads first, so its materializations record current input data versions.
 PARTITION_JOB_INPUTS = [*PARTITION_INPUTS, TARGET_TOKENIZER, TARGET_MODEL]
 TRAINING_JOB_INPUTS = [TRAINING_SETTINGS, TARGET_MODEL]
@@ -81,6 +84,7 @@ def build_definitions(
         *build_qc_assets(partitions_def),
         *build_dataset_assets(catalog, partitions_def),
         *build_training_assets(full_asset_graph=lambda: defs.resolve_asset_graph()),
+        *build_evaluation_assets(catalog),
         *build_export_assets(),
     ]
     conditions = asset_conditions()
@@ -101,13 +105,24 @@ def build_definitions(
         executor_def=executor_def,
         description="One dataset partition from raw prompts to QC shards, then the refreshed length report.",
     )
+    evaluated = catalog.evaluation is not None
     training_job = dg.define_asset_job(
         TRAINING_JOB,
-        selection=dg.AssetSelection.assets(*TRAINING_JOB_INPUTS, *TRAINING_ASSETS),
+        selection=dg.AssetSelection.assets(*TRAINING_JOB_INPUTS, *TRAINING_ASSETS,
+                                           *(EVALUATION_ASSETS if evaluated else [])),
         executor_def=executor_def,
-        description="Draft vocab, training mix and EAGLE-3 drafter checkpoint from every partition whose QC passed.",
+        description="Draft vocab, training mix and EAGLE-3 drafter checkpoint from every partition whose QC passed"
+                    + (", then its evaluation on the catalog's suites." if evaluated else "."),
     )
     jobs = [partition_job, training_job]
+    if evaluated:
+        jobs.append(dg.define_asset_job(
+            EVALUATION_JOB,
+            selection=dg.AssetSelection.assets(*EVALUATION_ASSETS),
+            executor_def=executor_def,
+            description="The trained drafter measured on the evaluation suites (run their eval-<suite> partitions "
+                        "with partition_job first).",
+        ))
     if catalog.chunked_datasets:
         jobs.append(dg.define_asset_job(
             DATASET_JOB,

@@ -36,15 +36,25 @@ def _error(tmp_path: Path, text: str) -> CatalogError:
 
 def test_default_catalog():
     cat = load_catalog(REPO / "catalogs" / "default.yaml")
-    assert cat.partition_keys == ["B1_glaive", "B2_opencodeinstruct", "B4_mixturethoughts", "B5_openthoughts"]
+    assert cat.training_partition_keys == ["B1_glaive", "B2_opencodeinstruct", "B4_mixturethoughts",
+                                           "B5_openthoughts"]
+    assert cat.partition_keys == [*cat.training_partition_keys, "eval-word_problems"]
     assert cat.target.model == "demo" and cat.target.is_demo
     assert cat.server.urls == [] and cat.server.launch == "embedded"
-    fmts = {k: cat.partitions[k].sources[0].format for k in cat.partition_keys}
+    fmts = {k: cat.partitions[k].sources[0].format for k in cat.training_partition_keys}
     assert fmts == {"B1_glaive": "glaive", "B2_opencodeinstruct": "opencodeinstruct", "B4_mixturethoughts": "messages",
                     "B5_openthoughts": "sharegpt"}
-    assert {k: cat.partitions[k].sampling.max_new_tokens for k in cat.partition_keys} == {
+    assert {k: cat.partitions[k].sampling.max_new_tokens for k in cat.training_partition_keys} == {
         "B1_glaive": 256, "B2_opencodeinstruct": 512, "B4_mixturethoughts": 768, "B5_openthoughts": 768}
-    assert all(cat.partitions[k].limit == 48 for k in cat.partition_keys)
+    assert all(cat.partitions[k].limit == 48 for k in cat.training_partition_keys)
+    # the suite is a partition of its own, answered in both thinking modes, never a training dataset
+    suite = cat.partition("eval-word_problems")
+    assert suite.prompt_policy == "all_turns" and suite.enable_thinking == "both" and suite.key == "eval-word_problems"
+    assert suite.resolved_sources() == [((REPO / "catalogs" / "demo_data" / "U1_word_problems.jsonl").resolve(),
+                                         "gsm8k")]
+    assert "eval-word_problems" not in cat.dataset_keys and cat.resolve("eval-word_problems") == (
+        "eval-word_problems", None, 1)
+    assert cat.evaluation.ks(cat.training.acceptance_k) == list(range(1, 9))
     paths = cat.partition("B1_glaive").resolved_sources(check_exists=False)
     assert paths == [((REPO / "catalogs" / "demo_data" / "B1_glaive.json").resolve(), "glaive")]
     assert cat.training.ttt_steps == 7 and cat.training.aux_layer_ids == [1, 2, 3]  # the 4-layer demo target
@@ -111,6 +121,16 @@ def test_missing_max_new_tokens_names_field_and_fix(tmp_path):
         (MINIMAL + "training: {mix: {weights: {P2: 1.0}}}\n", "<top level>", "unknown partition(s) ['P2']"),
         (MINIMAL + "training: {mix: {bucket_caps: [{below_tokens: 300, max_share: 1.5}]}}\n",
          "training.mix.bucket_caps[0].max_share", "less than or equal to 1"),
+        (MINIMAL + "evaluation: {k: [0, 3]}\n", "evaluation.k", "must be >= 1"),
+        (MINIMAL + "evaluation: {position_buckets: [512, 256]}\n", "evaluation.position_buckets", "ascending"),
+        (MINIMAL + "evaluation: {suites: {'a b': {sources: [{path: x.jsonl}]}}}\n", "evaluation.suites",
+         "partition key 'eval-a b'"),
+        (MINIMAL.replace("P1:", "eval-s:") + "evaluation: {suites: {s: {sources: [{path: x.jsonl}]}}}\n",
+         "<top level>", "['eval-s'] are also dataset keys"),
+        (MINIMAL + "evaluation: {suites: {s: {sources: [{path: x.jsonl}], thinking: sometimes}}}\n",
+         "evaluation.suites.s.thinking", "'on', 'off', 'both' or 'default'"),
+        (MINIMAL + "evaluation: {suites: {s: {sources: [{path: x.jsonl}], tau_warn: 0.5}}}\n",
+         "evaluation.suites.s.tau_warn", "greater than or equal to 1"),
     ],
 )
 def test_validation_errors(tmp_path, monkeypatch, text, field, needle):
@@ -149,7 +169,7 @@ def test_default_catalog_path(monkeypatch, tmp_path):
 
 def test_default_catalog_sources_load():
     cat = load_catalog(REPO / "catalogs" / "default.yaml")
-    for key in cat.partition_keys:
+    for key in cat.training_partition_keys:
         ((path, fmt),) = cat.partition(key).resolved_sources(check_exists=False)
         if not path.exists():
             pytest.skip(f"{path} is not generated yet (python -m eagle_assets.demo.raw_samples writes it)")
@@ -226,3 +246,21 @@ def test_training_drafter_choice_resolves_per_target_class():
                         ({"architecture": "llama", "window": 4}, "shorter than the 7 draft steps")):
         with pytest.raises(ValidationError, match=needle):
             TrainingSpec(drafter=bad)
+
+
+def test_a_suite_is_a_partition_never_trained_on(tmp_path):
+    """A suite resolves as partition ``eval-<suite>`` with its own spec (``all_turns``, its thinking modes), is a
+    Dagster partition key after the datasets', and is neither a dataset nor a training partition."""
+    (tmp_path / "q.jsonl").write_text('{"turns": ["hi", "and then?"]}\n')
+    cat = load_catalog(_write(tmp_path, MINIMAL + (
+        "evaluation:\n  suites:\n    mt: {sources: [{path: q.jsonl, format: mtbench}], thinking: off,\n"
+        "         sampling: {max_new_tokens: 32, temperature: 0.7}, limit: 5}\n")))
+    assert cat.partition_keys == ["P1", "eval-mt"] and cat.training_partition_keys == ["P1"]
+    assert cat.dataset_keys == ["P1"] and cat.dataset_partition_keys("eval-mt") == ["eval-mt"]
+    spec = cat.partition("eval-mt")
+    assert (spec.key, spec.dataset, spec.prompt_policy, spec.enable_thinking, spec.limit) == (
+        "eval-mt", "eval-mt", "all_turns", False, 5)
+    assert spec.resolved_sources() == [((tmp_path / "q.jsonl").resolve(), "mtbench")]
+    assert cat.evaluation.suites["mt"].modes == ("off",) and cat.evaluation.ks(7) == [1, 2, 3, 4, 5, 6, 7, 8]
+    with pytest.raises(CatalogError, match="no such partition"):
+        cat.partition("eval-other")

@@ -286,6 +286,7 @@ def test_generations_asset_fails_fast_with_a_clear_description_and_keeps_rows(de
 
     repo = Path(__file__).resolve().parents[1]
     catalog = yaml.safe_load((repo / "catalogs" / "default.yaml").read_text())
+    catalog.pop("evaluation", None)  # its suite is a partition of its own: test_evaluation_suites
     part = catalog["partitions"]["B1_glaive"]
     part["prompt_policy"] = "last_user"
     part["sources"] = [{"path": str(repo / "catalogs" / "demo_data" / "B1_glaive.json"), "format": "glaive"}]

@@ -71,6 +71,29 @@ def test_client_spreads_one_partition_over_two_servers(two_servers, single_serve
     assert _rows(tmp_path) == single_server_rows
 
 
+def test_a_sampled_partition_draws_each_row_from_its_own_seed(two_servers, tmp_path):
+    """T = 1 with a partition seed: every request carries ``row_seed(seed, row id)``, so the rows do not depend on
+    the server, the concurrency or the order replies come back in; two rows of the same prompt draw apart (one
+    seed for all would give them one reply); another seed draws other rows."""
+    from dataclasses import replace
+
+    from eagle_assets.generations.run import row_seed
+
+    a, b = two_servers
+    sampled = replace(SP, temperature=1.0, seed=7)
+    prompts = _prompts() + [(f"again{i}", _prompts()[5][1]) for i in range(4)]  # m05's prompt under other ids
+    one = run_generation(prompts, tmp_path / "one", GenerateClient([a.url], concurrency_per_server=1), sampled, VOCAB)
+    two = run_generation(prompts, tmp_path / "two", GenerateClient([a.url, b.url], concurrency_per_server=8),
+                         sampled, VOCAB)
+    other = run_generation(prompts, tmp_path / "other", GenerateClient([b.url], concurrency_per_server=8),
+                           replace(sampled, seed=8), VOCAB)
+    assert one.succeeded == two.succeeded == other.succeeded == 28
+    rows = _rows(tmp_path / "one")
+    assert rows == _rows(tmp_path / "two") and rows != _rows(tmp_path / "other")
+    assert len({tuple(rows[k]) for k in ("m05", "again0", "again1", "again2", "again3")}) >= 4
+    assert row_seed(7, "m00") == row_seed(7, "m00") != row_seed(8, "m00") and 0 <= row_seed(7, "m00") < 2**31
+
+
 @pytest.fixture(scope="module")
 def router(two_servers, tmp_path_factory):
     pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip install sglang-router)")

@@ -15,6 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def _catalog(path: Path, **b1) -> Path:
     base = yaml.safe_load((REPO_ROOT / "catalogs" / "default.yaml").read_text())
+    base.pop("evaluation", None)  # its suite is a partition of its own: test_evaluation_suites
     part = base["partitions"]["B1_glaive"]
     part["sources"] = [{"path": str(REPO_ROOT / "catalogs" / "demo_data" / "B1_glaive.json"), "format": "glaive"}]
     part["sampling"].update(b1)

@@ -116,6 +116,7 @@ def pipeline(demo_target, tmp_path_factory):
     shutil.copy(REPO_ROOT / "catalogs" / "demo_data" / "B1_glaive.json", data / "B1_glaive.json")
     shutil.copy(REPO_ROOT / "catalogs" / "demo_data" / "B2_opencodeinstruct.jsonl", data / "B2_code.jsonl")
     base = yaml.safe_load((REPO_ROOT / "catalogs" / "default.yaml").read_text())
+    base.pop("evaluation", None)  # its suite is a partition of its own: test_evaluation_suites
     b1, b2 = base["partitions"]["B1_glaive"], base["partitions"]["B2_opencodeinstruct"]
     b1["prompt_policy"] = "last_user"  # one row per conversation: the counts below are per prompt
     for spec, src in ((b1, {"path": "data/B1_glaive.json", "format": "glaive"}),

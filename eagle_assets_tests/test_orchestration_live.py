@@ -126,6 +126,7 @@ def _catalog(root: Path, target: Path) -> Path:
     shutil.copy(REPO_ROOT / "catalogs" / "demo_data" / "B1_glaive.json", data / "B1_glaive.json")
     shutil.copy(REPO_ROOT / "catalogs" / "demo_data" / "B2_opencodeinstruct.jsonl", data / "B2_code.jsonl")
     base = yaml.safe_load((REPO_ROOT / "catalogs" / "default.yaml").read_text())
+    base.pop("evaluation", None)  # its suite is a partition of its own: test_evaluation_suites
     b1, b2 = base["partitions"]["B1_glaive"], base["partitions"]["B2_opencodeinstruct"]
     b1["prompt_policy"] = "last_user"  # one row per conversation: the counts below are per prompt
     # These tests are about orchestration, not about the demo target's quality (test_pipeline_e2e gates that):

@@ -19,6 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def _catalog(tmp_path: Path, server_url: str) -> Path:
     base = yaml.safe_load((REPO_ROOT / "catalogs" / "default.yaml").read_text())
+    base.pop("evaluation", None)  # its suite is a partition of its own: test_evaluation_suites
     # One embedded server for the module, as a user's running server or sglang-router is given: each partition
     # run would otherwise launch its own (8 CPU-s of imports each). Launching from the pipeline is tested in
     # test_serving_resource.py and, under the daemon, in test_orchestration_live.py.

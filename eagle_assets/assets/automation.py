@@ -74,7 +74,8 @@ def asset_conditions() -> dict[str, dg.AutomationCondition]:
     # qc_shards partition in a run or backfill (~any_deps_in_progress), trains once after all of them.
     after_qc = eager_on_data_versions(wait_for=dg.AssetSelection.assets("qc_shards"))
     partitioned = ("raw_prompts", "tokenized_prompts", "generations", "qc_shards")
-    after = ("draft_vocab", "training_mix", "drafter_checkpoint", "speculators_export", "specforge_export")
+    after = ("draft_vocab", "training_mix", "drafter_checkpoint", "evaluation", "speculators_export",
+             "specforge_export")
     # dataset_qc (chunked datasets): requested when a chunk's QC data changed, once no chunk of the dataset is
     # missing or in a run (its qc_shards dependency maps every chunk to the dataset)
     return {**{name: eager for name in partitioned}, **{name: after_qc for name in after}, "length_report": report,

@@ -59,9 +59,10 @@ class _Run:
         self.spec = self.catalog.partition(self.key)
         self.target = target.setup(self.catalog.target.profile)
         s = self.spec.sampling
+        # a sampled partition's rows are drawn from per-row seeds derived from its seed (generations.run.row_seed)
         self.sampling = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                        top_k=s.top_k, stop_token_ids=list(self.target.profile.stop_ids),
-                                       skip_special_tokens=False)
+                                       skip_special_tokens=False, seed=self.spec.seed if s.temperature > 0 else None)
         self.urls: list[str] = []
         self.monitors: list = []
 

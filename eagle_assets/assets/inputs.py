@@ -55,6 +55,7 @@ INPUTS_OF: dict[str, tuple[str, ...]] = {
     "draft_vocab": (TRAINING_SETTINGS,),
     "training_mix": (TRAINING_SETTINGS,),
     "drafter_checkpoint": (TRAINING_SETTINGS, TARGET_MODEL),
+    "evaluation": (TRAINING_SETTINGS, TARGET_MODEL),
 }
 _DESCRIPTIONS = {
     SOURCE_FILES: "A partition's source files (sha256 of their bytes) and record selection (prompt_policy, limit, "

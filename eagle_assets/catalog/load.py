@@ -13,6 +13,7 @@ import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from eagle_assets.catalog.base import CatalogError, StrictModel
+from eagle_assets.catalog.evaluation import EvaluationSpec, SuiteSpec, suite_partition_key
 from eagle_assets.catalog.partitions import (
     CHUNK_KEY_RE,
     PARTITION_KEY_RE,
@@ -39,8 +40,10 @@ class Catalog(StrictModel):
     server: ServerSpec = Field(default_factory=ServerSpec)
     partitions: dict[str, PartitionSpec] = Field(min_length=1)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
+    evaluation: EvaluationSpec | None = None
 
     _path: Path | None = PrivateAttr(default=None)
+    _suites: dict[str, PartitionSpec] | None = PrivateAttr(default=None)
 
     @field_validator("partitions")
     @classmethod
@@ -57,6 +60,14 @@ class Catalog(StrictModel):
         if unknown:
             raise ValueError(f"training.mix.weights names unknown partition(s) {unknown}; "
                              f"known partitions: {list(self.partitions)}")
+        return self
+
+    @model_validator(mode="after")
+    def _suite_keys_are_free(self) -> Catalog:
+        taken = sorted(set(self.suite_keys) & set(self.partitions))
+        if taken:
+            raise ValueError(f"evaluation suite partition key(s) {taken} are also dataset keys under partitions: "
+                             "rename the suite or the dataset")
         return self
 
     @property
@@ -87,9 +98,36 @@ class Catalog(StrictModel):
         return list(self.partitions)
 
     @property
-    def partition_keys(self) -> list[str]:
-        """Dagster partition keys in file order: a dataset's key, or its chunk keys when it has ``chunks`` > 1."""
+    def training_partition_keys(self) -> list[str]:
+        """The training datasets' partition keys in file order: a dataset's key, or its chunk keys when it has
+        ``chunks`` > 1."""
         return [k for d in self.partitions for k in self.dataset_partition_keys(d)]
+
+    @property
+    def suite_keys(self) -> list[str]:
+        """The evaluation suites' partition keys (``eval-<suite>``) in file order; never trained on."""
+        suites = self.evaluation.suites if self.evaluation is not None else {}
+        return [suite_partition_key(name) for name in suites]
+
+    @property
+    def partition_keys(self) -> list[str]:
+        """Every Dagster partition key: :attr:`training_partition_keys`, then :attr:`suite_keys`."""
+        return self.training_partition_keys + self.suite_keys
+
+    def suite_partitions(self) -> dict[str, PartitionSpec]:
+        """Suite partition key -> the suite as a partition spec (``SuiteSpec.partition_spec``)."""
+        if self._suites is None:
+            suites = self.evaluation.suites if self.evaluation is not None else {}
+            built = {}
+            for name, suite in suites.items():
+                spec = suite.partition_spec()
+                key = suite_partition_key(name)
+                spec._base_dir = self._path.parent if self._path is not None else Path(".")
+                spec._key = spec._dataset = key
+                spec._catalog_file = self._path
+                built[key] = spec
+            self._suites = built
+        return self._suites
 
     @property
     def chunked_datasets(self) -> list[str]:
@@ -99,6 +137,8 @@ class Catalog(StrictModel):
     def dataset_partition_keys(self, dataset: str) -> list[str]:
         """The partition keys of one dataset: ``[dataset]`` or its chunk keys; raises CatalogError for an unknown
         dataset."""
+        if dataset in self.suite_keys:
+            return [dataset]
         if dataset not in self.partitions:
             raise CatalogError(self._path or "<catalog>", f"partitions.{dataset}", "no such dataset",
                                f"known datasets: {self.dataset_keys}")
@@ -113,6 +153,8 @@ class Catalog(StrictModel):
         known = self.partition_keys
         shown = known if len(known) <= 20 else [*known[:20], f"... ({len(known)} in all)"]
         where = self._path or "<catalog>"
+        if key in self.suite_keys:
+            return key, None, 1
         match = CHUNK_KEY_RE.match(key) if isinstance(key, str) else None
         dataset = match.group("dataset") if match else key
         if dataset not in self.partitions:
@@ -136,6 +178,8 @@ class Catalog(StrictModel):
         its dataset's spec whose ``key`` is the chunk key and ``chunk`` its index. Raises CatalogError listing the
         known keys."""
         dataset, chunk, _ = self.resolve(key)
+        if dataset in self.suite_keys:
+            return self.suite_partitions()[dataset]
         spec = self.partitions[dataset]
         if chunk is None:
             return spec
@@ -188,7 +232,7 @@ def _field_path(loc: tuple[Any, ...]) -> str:
 def _all_field_names() -> set[str]:
     names: set[str] = set()
     for model in (TargetSpec, ServerSpec, SamplingSpec, Thresholds, ShareLevels, LiveSpec, SourceSpec, PartitionSpec,
-                  BucketCap, MixSpec, FeaturesSpec, TrainingSpec, Catalog):
+                  BucketCap, MixSpec, FeaturesSpec, TrainingSpec, SuiteSpec, EvaluationSpec, Catalog):
         names.update(model.model_fields)
     return names
 

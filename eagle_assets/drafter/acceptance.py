@@ -47,6 +47,8 @@ class AcceptanceResult:
             order), from which the spread is taken.
         tau_ci95: 95% bootstrap interval of tau over rows (``[lo, hi]``; see :func:`bootstrap_tau`).
         tau_row_sd: standard deviation of the per-row tau (``row_tokens / row_verifications``).
+        positions / accepted: per verification, in walk order, the position ``n`` of the target's last token
+            (tokens from the row's start) and the drafts accepted there (for :func:`position_buckets`).
     """
 
     tau: float
@@ -63,6 +65,8 @@ class AcceptanceResult:
     row_tokens: list[int] = field(default_factory=list)
     tau_ci95: list[float] = field(default_factory=list)
     tau_row_sd: float = 0.0
+    positions: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -163,6 +167,25 @@ def walkable(row, vocab_size: int) -> tuple[np.ndarray, np.ndarray, list[tuple[i
     return (ids_np, mask_np, segments) if segments else ""
 
 
+def drafting_mode(target_model: nn.Module, drafter: Eagle3DraftModel, draft_vocab: DraftVocab, k: int) -> bool:
+    """Make ``drafter`` ready to draft chains of ``k`` against ``target_model``: the draft vocab checked, the
+    target's embedding attached when the drafter has none, eval mode. Returns whether it was training (the
+    caller puts it back).
+
+    Raises:
+        ValueError: ``k < 1`` or the draft vocab does not belong to the drafter.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if not torch.equal(drafter.draft_token_ids.cpu(), torch.from_numpy(draft_vocab.draft_token_ids)):
+        raise ValueError("draft_vocab is not the vocab this drafter was trained with (draft ids differ)")
+    if drafter.embed_weight.numel() == 0:
+        drafter.attach_embedding(target_model.get_input_embeddings().weight.float())
+    was_training = drafter.training
+    drafter.eval()
+    return was_training
+
+
 @torch.no_grad()
 def simulate_acceptance(
     target_model: nn.Module,
@@ -173,6 +196,7 @@ def simulate_acceptance(
     max_positions: int | None = 2000,
     features: dict[int, tuple[torch.Tensor, np.ndarray]] | None = None,
     greedy_next: Callable[[np.ndarray], int] | None = None,
+    chains: dict[int, np.ndarray] | None = None,
 ) -> AcceptanceResult:
     """Simulate temperature-0 chain drafting over held-out rows (see module docstring).
 
@@ -194,6 +218,9 @@ def simulate_acceptance(
         greedy_next: the target's greedy token after a prefix (int64 ``[n]``), for the exact re-runs once a draft
             leaves the row; None = a forward of ``target_model``. With it and ``features`` holding every row (e.g.
             features served by SGLang, ``eagle_assets.drafter.features.served_client``), ``target_model`` is never run.
+        chains: a dict kept by the caller across calls with the SAME drafter (a k curve): row ``i``'s draft chain
+            ``[T, K]`` is stored under ``i`` and its first ``k`` columns reused for any ``k <= K`` (a chain's first
+            drafts do not depend on how many follow). None = drafted on every call.
 
     Returns:
         :class:`AcceptanceResult`.
@@ -201,18 +228,12 @@ def simulate_acceptance(
     Raises:
         ValueError: ``k < 1`` or the draft vocab does not belong to the drafter.
     """
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if not torch.equal(drafter.draft_token_ids.cpu(), torch.from_numpy(draft_vocab.draft_token_ids)):
-        raise ValueError("draft_vocab is not the vocab this drafter was trained with (draft ids differ)")
-    if drafter.embed_weight.numel() == 0:
-        drafter.attach_embedding(target_model.get_input_embeddings().weight.float())
-    was_training = drafter.training
-    drafter.eval()
+    was_training = drafting_mode(target_model, drafter, draft_vocab, k)
     capture = list(drafter.config.aux_capture_ids)
     vocab_size = drafter.config.vocab_size
 
     lengths: list[int] = []
+    positions: list[int] = []
     row_verifications: list[int] = []
     row_tokens: list[int] = []
     histogram = np.zeros(k + 1, dtype=np.int64)
@@ -242,8 +263,12 @@ def simulate_acceptance(
             greedy = head_argmax(target_model, final[0]).numpy()
             if features is not None:
                 features[row_index] = (aux, greedy)
-        _, drafts = drafter.unroll(aux, ids.unsqueeze(0), k, feed_own_tokens=True)
-        chain = torch.stack([d[0] for d in drafts], dim=-1).numpy()  # [T, k]: row p drafts tokens p+2..p+k+1
+        chain = chains.get(row_index) if chains is not None else None
+        if chain is None or chain.shape[1] < k:
+            _, drafts = drafter.unroll(aux, ids.unsqueeze(0), k, feed_own_tokens=True)
+            chain = torch.stack([d[0] for d in drafts], dim=-1).numpy()  # [T, k]: row p drafts tokens p+2..p+k+1
+            if chains is not None:
+                chains[row_index] = chain
         before = len(lengths)
         for start, end in segments:
             n = start
@@ -268,6 +293,7 @@ def simulate_acceptance(
                     accepted.append(draft)
                     off_row = off_row or draft != int(ids_np[n + j + 1])
                 lengths.append(len(accepted))
+                positions.append(n)
                 histogram[len(accepted)] += 1
                 n += len(accepted) + 1
         if len(lengths) > before:
@@ -302,4 +328,29 @@ def simulate_acceptance(
         row_tokens=row_tokens,
         tau_ci95=ci,
         tau_row_sd=sd,
+        positions=positions,
+        accepted=[int(a) for a in lengths],
     )
+
+
+def position_buckets(positions: Sequence[int], tokens: Sequence[float], edges: Sequence[int]) -> list[dict]:
+    """Tokens per verification by position-in-sequence bucket.
+
+    Args:
+        positions: per verification, the position of the target's last token before it (tokens from the row's
+            start, prompt included).
+        tokens: per verification, tokens emitted (accepted + 1; an expectation under sampling).
+        edges: ascending bucket edges; buckets ``[0, e0), [e0, e1), ..., [e_last, inf)``.
+
+    Returns:
+        ``[{"from", "to" (None = open), "tau", "verifications"}]``, one per bucket with a verification in it.
+    """
+    pos = np.asarray(positions, dtype=np.int64)
+    tok = np.asarray(tokens, dtype=np.float64)
+    bounds = [0, *[int(e) for e in edges], None]
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        sel = (pos >= lo) & (pos < hi) if hi is not None else pos >= lo
+        if sel.any():
+            out.append({"from": lo, "to": hi, "tau": float(tok[sel].mean()), "verifications": int(sel.sum())})
+    return out

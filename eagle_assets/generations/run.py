@@ -27,12 +27,13 @@ import asyncio
 import contextlib
 import fcntl
 import gc
+import hashlib
 import json
 import os
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator, Sequence
@@ -214,7 +215,8 @@ def run_generation(
             target vocab; a repeated sample id is sent once (its first row).
         out_dir: the partition's generations directory (created if missing).
         client: an ``eagle_assets.serving.client.GenerateClient`` (or anything with the same ``generate_many``).
-        sampling: ``SamplingParams`` with an explicit ``max_new_tokens``.
+        sampling: ``SamplingParams`` with an explicit ``max_new_tokens``; a sampled one with a ``seed`` sends each
+            row its own seed (:func:`row_seed`) instead.
         vocab_size: target vocab size, for validating ``output_ids`` (None skips the range check).
         flush_rows / flush_seconds: shard size, and the time bound on unflushed work (what a SIGKILL can lose).
         progress: called with a one-line progress message at most every ``progress_every_s`` seconds (a timer,
@@ -504,11 +506,15 @@ class _LockedRun:
         """The prompts to send, counted in ``sent`` as the client takes them; ends once the monitor stops the run."""
         # the client pulls items lazily, one per free worker: ending this iterator is how a stop takes effect
         monitor = self.monitor
+        sampling = self.sampling
+        per_row_seed = not getattr(sampling, "greedy", True) and getattr(sampling, "seed", None) is not None
         for item in self._todo():
             if monitor is not None and monitor.stop is not None:
                 return
             self.sent += 1
-            yield item
+            # a sampled partition with a seed: each row draws from its own seed, so its reply does not depend on
+            # which request took the server's next random number (resumes, retries, concurrency)
+            yield (*item[:2], replace(sampling, seed=row_seed(sampling.seed, item[0]))) if per_row_seed else item
 
     def flush(self) -> None:
         """Write the buffered rows (if any) to a new shard and restart the flush clock."""
@@ -643,6 +649,12 @@ class _LockedRun:
                 self.live_report(final=True)  # closes the writer, then writes the final figures
         finally:
             self.live_writer.close()  # idempotent; stops the writer thread whatever happened above
+
+
+def row_seed(seed: int, row_id: str) -> int:
+    """The sampling seed of one row of a sampled partition: a keyed hash of the partition's ``seed`` and the row
+    id, in ``[0, 2**31)`` (SGLang's ``sampling_seed``; the embedded server seeds the row's own generator with it)."""
+    return int.from_bytes(hashlib.sha256(f"sampling:{seed}:{row_id}".encode()).digest()[:4], "big") >> 1
 
 
 def _run_locked(prompts, out_dir: Path, client, sampling, vocab_size, flush_rows, flush_seconds, progress,

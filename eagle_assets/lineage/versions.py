@@ -44,6 +44,7 @@ CODE_VERSIONS: dict[str, str] = {
     "draft_vocab": "1",
     "training_mix": "1",
     "drafter_checkpoint": "1",
+    "evaluation": "1",
     "speculators_export": "1",
     "specforge_export": "1",
 }

@@ -131,11 +131,12 @@ class LengthReportResult:
 
 
 def length_report_stage(layout: Layout, catalog: Catalog) -> LengthReportResult:
-    """The DuckDB length table of every dataset (total, reasoning, answer tokens) over the QC rows materialized so
-    far, written to ``length_report/`` (``report.md``, ``report.parquet``, ``lengths.png``, ``report_by_turn.md``)."""
+    """The DuckDB length table of every training dataset (total, reasoning, answer tokens) over the QC rows
+    materialized so far, written to ``length_report/`` (``report.md``, ``report.parquet``, ``lengths.png``,
+    ``report_by_turn.md``)."""
     from eagle_assets.figures.plots import length_histogram_png
 
-    files = [layout.stage_dir("qc_shards", k) / ROWS_FILE for k in catalog.partition_keys]
+    files = [layout.stage_dir("qc_shards", k) / ROWS_FILE for k in catalog.training_partition_keys]
     present = [f for f in files if f.exists()]
     short = min((p.thresholds.short_tokens for p in catalog.partitions.values()), default=300)  # the plot's line
     rows = length_report(present, short_tokens=catalog.short_tokens())
@@ -150,7 +151,7 @@ def length_report_stage(layout: Layout, catalog: Catalog) -> LengthReportResult:
             series.setdefault(t.column("partition")[0].as_py(), []).extend(t.column("completion_tokens").to_pylist())
     png = length_histogram_png(series, "completion tokens by partition", short_tokens=short)
     (out / "lengths.png").write_bytes(png)
-    missing = [k for k, f in zip(catalog.partition_keys, files) if not f.exists()]
+    missing = [k for k, f in zip(catalog.training_partition_keys, files) if not f.exists()]
     incomplete = sorted({catalog.resolve(k)[0] for k in missing} & set(catalog.chunked_datasets) & set(series))
     return LengthReportResult(out, rows, table_md, png, sorted(series), missing, incomplete,
                               _turn_length_table(layout, catalog, out, short))

@@ -324,16 +324,12 @@ class GenerateClient:
         started = time.monotonic()
         servers = [_Server(u) for u in self.urls]
         workers = self.concurrency_per_server * len(servers)
-        encoded: dict[int, tuple[SamplingParams, bytes]] = {}
+        default_bytes = orjson.dumps(sampling.to_json())
 
         def sampling_bytes(sp: SamplingParams) -> bytes:
-            hit = encoded.get(id(sp))
-            if hit is None or hit[0] is not sp:
-                hit = (sp, orjson.dumps(sp.to_json()))
-                encoded[id(sp)] = hit
-            return hit[1]
+            # the shared params are encoded once; an item's own (a per-row seed) each time, so nothing accumulates
+            return default_bytes if sp is sampling else orjson.dumps(sp.to_json())
 
-        sampling_bytes(sampling)
         control = None if control_ids is None else frozenset(control_ids)
         iterator = iter(items)
 

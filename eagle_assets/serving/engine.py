@@ -165,18 +165,7 @@ class _Row:
     def sample(self, logits: torch.Tensor) -> int:
         p = self.req.params
         # sampled on CPU: the per-request generator is a CPU generator whatever the model's device
-        x = logits.to(device="cpu", dtype=torch.float64) / p.temperature
-        if 0 < p.top_k < x.shape[-1]:
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, -math.inf)
-        if p.top_p < 1.0:
-            sorted_x, order = torch.sort(x, descending=True)
-            probs = torch.softmax(sorted_x, dim=-1)
-            # drop a token when the mass before it already reaches top_p; the top token always stays
-            drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
-            sorted_x = sorted_x.masked_fill(drop, -math.inf)
-            x = torch.full_like(x, -math.inf).scatter(0, order, sorted_x)
-        probs = torch.softmax(x, dim=-1)
+        probs = sampling_probs(logits.to(device="cpu"), p.temperature, p.top_p, p.top_k)
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
     def record_hidden(self, rows: torch.Tensor) -> None:
@@ -208,6 +197,35 @@ class _Row:
         if token in self.stop_ids:
             return {"type": "stop", "matched": token}
         return None
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = -1) -> torch.Tensor:
+    """The distribution a sampled request draws from: float64 ``[..., V]`` from logits ``[..., V]``.
+
+    ``softmax(logits / temperature)`` restricted to the ``top_k`` largest logits (``-1`` = all) and then to the
+    smallest set of most probable tokens whose mass reaches ``top_p`` (a token is dropped when the mass before it
+    already reaches ``top_p``; the top token always stays), renormalized: SGLang's sampler
+    (``layers/sampler.py``: temperature, then ``top_k_top_p_min_p_sampling_from_probs``) and the probabilities its
+    speculative verification reads (``speculative/eagle_info.py``: ``softmax(logits / T)``, ``top_k_renorm_prob``,
+    ``top_p_renorm_prob``). The embedded server samples from it and the evaluation's sampled acceptance
+    (``drafter.sampled_acceptance``) reads it.
+
+    Raises:
+        ValueError: ``temperature`` <= 0 (a greedy request takes the argmax; it has no distribution here).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for a sampling distribution, got {temperature}")
+    x = logits.to(torch.float64) / temperature
+    if 0 < top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, -math.inf)
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        sorted_x = sorted_x.masked_fill(drop, -math.inf)
+        x = torch.full_like(x, -math.inf).scatter(-1, order, sorted_x)
+    return torch.softmax(x, dim=-1)
 
 
 def resolve_dtype(dtype: str, n_params: int, device: str) -> torch.dtype:

@@ -1,0 +1,295 @@
+"""The drafter measured the way drafters are published: per suite and thinking mode, tau at each k with its
+bootstrap interval, per-position acceptance, greedy and at the suite's temperature, and by position in the
+sequence; written to ``<storage root>/<catalog>/evaluation/`` (``report.json``, ``report.md``, ``tau_vs_k.png``).
+
+Rows: each suite's QC rows (partition ``eval-<suite>``, ``catalog.evaluation``; never trained on) and, with
+``evaluation.heldout``, the training partitions' held-out test rows (suite ``heldout``, the ``acceptance_length``
+check's rows, so its tau at ``training.acceptance_k`` is that check's figure). A row's thinking mode is the one
+its turn row id names (``tokenized_prompts.walk``), ``default`` for a single-turn row.
+
+Methods: greedy tau is the simulated chain drafting of ``drafter.acceptance`` (exact, target re-runs off the row);
+tau at the suite's temperature is the exact expectation of ``drafter.sampled_acceptance`` (SGLang 0.5.23's
+sampling verification; no Monte Carlo error). Intervals: 95% percentile bootstrap over rows (a mean over
+partitions, for held-out rows: stratified by partition, ``drafter.acceptance.mean_tau_over_groups``).
+
+Overlap: a suite row whose prompt ids (the tokens before its reply) equal those of a training-split row of the
+trained partitions is counted (``overlap_rows``) and reported; it is still measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from eagle_assets.catalog import Catalog, suite_partition_key
+from eagle_assets.drafter.acceptance import mean_tau_over_groups, position_buckets, simulate_acceptance
+from eagle_assets.drafter.sampled_acceptance import chain_probabilities, sampled_acceptance
+from eagle_assets.drafter.splits import iter_split_rows, load_split_rows
+from eagle_assets.storage.shards import Layout, write_bytes_atomic, write_json_atomic
+
+HELDOUT = "heldout"
+Row = tuple[np.ndarray, np.ndarray]
+
+
+@dataclass
+class Gate:
+    """The verdict on one suite x thinking mode: ``level`` OK | WARN | ERROR on the greedy tau at ``k``, the
+    levels (error at or under ``error_at``, warn under ``warn_under``) and the sentence that says so."""
+
+    suite: str
+    thinking: str
+    level: str
+    tau: float
+    k: int
+    error_at: float
+    warn_under: float
+    rows: int
+    text: str
+
+
+@dataclass
+class EvaluationReport:
+    """What :func:`evaluate_suites` measured: ``records`` (one per suite x thinking mode x k x temperature, the
+    ``report.json`` records), the gates per suite x mode, overlap counts per suite, suites without rows (name ->
+    why) and the seconds it took."""
+
+    records: list[dict]
+    gates: list[Gate]
+    overlap_rows: dict[str, int]
+    missing: dict[str, str]
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+def prompt_key(ids: np.ndarray, mask: np.ndarray) -> bytes:
+    """Digest of a row's prompt ids: the tokens before its first loss-masked (reply) token."""
+    m = np.asarray(mask)
+    cut = int(np.argmax(m != 0)) if (m != 0).any() else len(m)
+    return hashlib.blake2b(np.asarray(ids[:cut], dtype=np.int32).tobytes(), digest_size=16).digest()
+
+
+def _mode_of(sample_id: str) -> str:
+    from eagle_assets.tokenized_prompts.walk import parse_turn_row_id
+
+    parsed = parse_turn_row_id(sample_id)
+    return parsed[1] if parsed is not None else "default"
+
+
+def suite_rows(layout: Layout, catalog: Catalog, suite: str) -> dict[str, list[tuple[str, np.ndarray, np.ndarray]]]:
+    """The QC rows of suite ``suite`` by thinking mode: ``(sample_id, input_ids int32 [T], loss_mask int8 [T])``,
+    sorted by sample id (shard order is reply order, which timing decides).
+
+    Raises:
+        FileNotFoundError: the suite's partition has no QC shards (the message says to materialize it).
+    """
+    from eagle_assets.qc.status import dataset_shard_paths
+
+    by_mode: dict[str, list] = {}
+    for path in dataset_shard_paths(layout, catalog, suite_partition_key(suite)):
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=["sample_id", "input_ids",
+                                                                                  "loss_mask"]):
+            ids_col, mask_col = batch.column(1), batch.column(2)
+            ids_off, mask_off = ids_col.offsets.to_numpy(), mask_col.offsets.to_numpy()
+            ids_flat = ids_col.values.to_numpy().astype(np.int32, copy=False)
+            mask_flat = mask_col.values.to_numpy().astype(np.int8, copy=False)
+            for i, sid in enumerate(batch.column(0).to_pylist()):
+                by_mode.setdefault(_mode_of(sid), []).append(
+                    (sid, ids_flat[ids_off[i]:ids_off[i + 1]].copy(), mask_flat[mask_off[i]:mask_off[i + 1]].copy()))
+    return {mode: sorted(rows, key=lambda r: r[0]) for mode, rows in sorted(by_mode.items())}
+
+
+def training_prompt_keys(layout: Layout, catalog: Catalog, keys: list[str]) -> set[bytes]:
+    """:func:`prompt_key` of every training-split row of the trained partitions ``keys``."""
+    return {prompt_key(ids, mask) for _sid, ids, mask, _k in iter_split_rows(layout, catalog, keys, "train")}
+
+
+def _greedy_curve(target_model, drafter, vocab, groups: dict[str, list[Row]], ks: list[int], edges, resamples,
+                  max_positions: int | None) -> dict[int, dict]:
+    """Greedy figures per k over partition groups (mean over groups, stratified interval; at most
+    ``max_positions`` verifications per group, ``training.acceptance_max_positions``); the target's features are
+    computed once per row and the draft chains drafted once at the largest k."""
+    features = {name: {} for name in groups}
+    chains = {name: {} for name in groups}
+    out = {}
+    for k in sorted(ks, reverse=True):  # the longest chains first: every shorter k reads their first drafts
+        results = {name: simulate_acceptance(target_model, drafter, vocab, rows, k=k, max_positions=max_positions,
+                                             features=features[name], chains=chains[name])
+                   for name, rows in groups.items()}
+        kept = {n: r for n, r in results.items() if r.n_verifications}
+        mean, ci = mean_tau_over_groups({n: (r.row_verifications, r.row_tokens) for n, r in kept.items()},
+                                        resamples=resamples)
+        reach = np.mean([r.per_position_acceptance for r in kept.values()], axis=0) if kept else np.zeros(k)
+        positions = [p for r in kept.values() for p in r.positions]
+        tokens = [a + 1 for r in kept.values() for a in r.accepted]
+        out[k] = {"tau": mean, "ci": ci, "per_position": [float(x) for x in reach],
+                  "verifications": sum(r.n_verifications for r in kept.values()),
+                  "rows": sum(r.n_rows for r in kept.values()),
+                  "position_buckets": position_buckets(positions, tokens, edges)}
+    return dict(sorted(out.items()))
+
+
+def _sampled_curve(target_model, drafter, vocab, rows: list[Row], ks: list[int], sampling, edges, resamples
+                   ) -> dict[int, dict]:
+    """Expected figures per k at the suite's sampling (one chain of max(ks) drafts per point serves every k)."""
+    chains = chain_probabilities(target_model, drafter, vocab, rows, max(ks), sampling.temperature,
+                                 sampling.top_p, sampling.top_k)
+    out = {}
+    for k in ks:
+        r = sampled_acceptance(chains, k, sampling.temperature, edges, resamples)
+        out[k] = {"tau": r.tau, "ci": r.tau_ci95, "per_position": r.per_position_acceptance,
+                  "verifications": r.n_verifications, "rows": r.n_rows, "position_buckets": r.position_buckets}
+    return out
+
+
+def _records(suite: str, mode: str, temperature: float, curve: dict[int, dict], n_rows: int) -> list[dict]:
+    return [{"suite": suite, "thinking": mode, "k": k, "temperature": temperature, "tau": round(c["tau"], 6),
+             "ci_low": round(c["ci"][0], 6) if c["ci"] else None, "ci_high": round(c["ci"][1], 6) if c["ci"] else None,
+             "rows": n_rows, "verifications": c["verifications"],
+             "per_position": [round(x, 6) for x in c["per_position"]], "position_buckets": c["position_buckets"]}
+            for k, c in curve.items()]
+
+
+def gate(t, suite_spec, suite: str, mode: str, tau: float, rows: int) -> Gate:
+    """The verdict on a suite x mode's greedy tau at ``training.acceptance_k``: ERROR at or under ``1 +
+    min_tau_margin``, WARN under ``tau_warn`` (the suite's own levels, else the ``training`` section's); no rows
+    is an ERROR."""
+    margin = suite_spec.min_tau_margin if suite_spec is not None and suite_spec.min_tau_margin is not None \
+        else t.min_tau_margin
+    warn = suite_spec.tau_warn if suite_spec is not None and suite_spec.tau_warn is not None else t.tau_warn
+    error_at, k = 1.0 + margin, t.acceptance_k
+    if rows == 0:
+        return Gate(suite, mode, "ERROR", 0.0, k, error_at, warn, 0,
+                    f"ERROR: suite {suite}, thinking {mode}: no rows to measure (materialize partition "
+                    f"{suite_partition_key(suite)} and check its QC)")
+    level = "ERROR" if tau <= error_at else "WARN" if tau < warn else "OK"
+    return Gate(suite, mode, level, tau, k, error_at, warn, rows,
+                f"{level}: suite {suite}, thinking {mode}: greedy tau {tau:.3f} at k={k} on {rows} rows (error at or "
+                f"under {error_at:g}, warn under {warn:g})")
+
+
+def evaluate_suites(catalog: Catalog, layout: Layout, target_model, drafter, vocab, trained_keys: list[str],
+                    log: Callable[[str], None]) -> EvaluationReport:
+    """Measure ``drafter`` (trained on partitions ``trained_keys``) on every suite of ``catalog.evaluation`` and,
+    with ``evaluation.heldout``, on the held-out test rows (see the module docstring).
+
+    ``target_model``: the HF target in-process (float32 on CPU is fine). A suite without QC rows costs that suite
+    only (``missing``; its gates are ERROR).
+    """
+    started = time.perf_counter()
+    spec, t = catalog.evaluation, catalog.training
+    ks, edges, boot = spec.ks(t.acceptance_k), spec.position_buckets, spec.bootstrap
+    cap = t.acceptance_max_positions
+    records: list[dict] = []
+    gates: list[Gate] = []
+    overlap: dict[str, int] = {}
+    missing: dict[str, str] = {}
+    if spec.heldout:
+        held = sorted(load_split_rows(layout, catalog, trained_keys, "test"), key=lambda r: (r[3], r[0]))
+        by_mode: dict[str, dict[str, list[Row]]] = {}
+        for sid, ids, mask, key in held:
+            by_mode.setdefault(_mode_of(sid), {}).setdefault(key, []).append((ids, mask))
+        for mode, groups in sorted(by_mode.items()):
+            curve = _greedy_curve(target_model, drafter, vocab, groups, ks, edges, boot, cap)
+            records += _records(HELDOUT, mode, 0.0, curve, sum(len(g) for g in groups.values()))
+        log(f"evaluation: held-out rows of {trained_keys} measured")
+    train_keys = training_prompt_keys(layout, catalog, trained_keys) if spec.suites else set()
+    for name, suite in spec.suites.items():
+        try:
+            rows_by_mode = suite_rows(layout, catalog, name)
+        except FileNotFoundError as exc:
+            missing[name] = str(exc)
+            gates += [gate(t, suite, name, mode, 0.0, 0) for mode in suite.modes]
+            continue
+        overlap[name] = sum(prompt_key(ids, mask) in train_keys
+                            for rows in rows_by_mode.values() for _s, ids, mask in rows)
+        if overlap[name]:
+            log(f"evaluation: suite {name}: {overlap[name]} rows share their prompt ids with training rows")
+        for mode in suite.modes:  # rows of another mode are stale: the suite's thinking setting changed
+            rows = [(ids, mask) for _s, ids, mask in rows_by_mode.get(mode, [])]
+            if not rows:
+                gates.append(gate(t, suite, name, mode, 0.0, 0))
+                continue
+            greedy = _greedy_curve(target_model, drafter, vocab, {name: rows}, ks, edges, boot, cap)
+            records += _records(name, mode, 0.0, greedy, len(rows))
+            if suite.sampling.temperature > 0:
+                sampled = _sampled_curve(target_model, drafter, vocab, rows, ks, suite.sampling, edges, boot)
+                records += _records(name, mode, float(suite.sampling.temperature), sampled, len(rows))
+            gates.append(gate(t, suite, name, mode, greedy[t.acceptance_k]["tau"], len(rows)))
+        log(f"evaluation: suite {name} measured ({ {m: len(r) for m, r in rows_by_mode.items()} } rows by mode)")
+    return EvaluationReport(records, gates, overlap, missing, time.perf_counter() - started)
+
+
+def report_markdown(report: EvaluationReport, ks: list[int]) -> str:
+    """``report.md``: tau per suite x thinking mode x temperature at each k (95% interval at the largest), the
+    per-position acceptance and tau by position in the sequence at the largest k, the gates and the overlap
+    counts."""
+    rows: dict[tuple, dict[int, dict]] = {}
+    for r in report.records:
+        rows.setdefault((r["suite"], r["thinking"], r["temperature"]), {})[r["k"]] = r
+    top = max(ks)
+    lines = ["| suite | thinking | T | rows | " + " | ".join(f"tau k={k}" for k in ks) + f" | 95% CI k={top} |",
+             "|---|---|---|---|" + "---|" * len(ks) + "---|"]
+    for (suite, mode, temp), by_k in rows.items():
+        last = by_k[top]
+        ci = f"{last['ci_low']:.2f}-{last['ci_high']:.2f}" if last["ci_low"] is not None else "-"
+        lines.append(f"| {suite} | {mode} | {temp:g} | {last['rows']} | "
+                     + " | ".join(f"{by_k[k]['tau']:.3f}" for k in ks) + f" | {ci} |")
+    lines += ["", f"per-position acceptance at k={top} (share of verifications with drafts 1..j accepted):", "",
+              "| suite | thinking | T | " + " | ".join(f"j={j}" for j in range(1, top + 1)) + " |",
+              "|---|---|---|" + "---|" * top]
+    for (suite, mode, temp), by_k in rows.items():
+        lines.append(f"| {suite} | {mode} | {temp:g} | "
+                     + " | ".join(f"{x:.3f}" for x in by_k[top]["per_position"]) + " |")
+    lines += ["", f"tau by position in the sequence at k={top} (tokens from the row's start: tau over verifications):",
+              ""]
+    for (suite, mode, temp), by_k in rows.items():
+        cells = [f"{b['from']}-{b['to'] if b['to'] is not None else ''}: {b['tau']:.2f} ({b['verifications']:.0f})"
+                 for b in by_k[top]["position_buckets"]]
+        lines.append(f"- {suite} / {mode} / T={temp:g}: " + ", ".join(cells))
+    if report.gates:
+        lines += ["", "gates:", ""] + [f"- {g.text}" for g in report.gates]
+    if report.overlap_rows:
+        lines += ["", "rows sharing prompt ids with training rows: "
+                  + ", ".join(f"{s} {n}" for s, n in report.overlap_rows.items())]
+    for suite, why in report.missing.items():
+        lines.append(f"\nsuite {suite} not measured: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def tau_vs_k_png(report: EvaluationReport) -> bytes:
+    """PNG: tau against k, one line per suite x thinking mode (solid greedy, dashed at the suite's temperature)."""
+    from eagle_assets.figures.plots import figure_png, plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=80)
+    curves: dict[tuple, list] = {}
+    for r in report.records:
+        curves.setdefault((r["suite"], r["thinking"], r["temperature"]), []).append((r["k"], r["tau"]))
+    for (suite, mode, temp), points in curves.items():
+        points.sort()
+        ax.plot([k for k, _ in points], [tau for _, tau in points], marker="o", linestyle="-" if temp == 0 else "--",
+                label=f"{suite} / {mode} / " + ("greedy" if temp == 0 else f"T={temp:g}"))
+    ax.set_xlabel("k (drafts per verification)")
+    ax.set_ylabel("tau (tokens per verification)")
+    ax.set_title("acceptance length vs k", fontsize=10)
+    ax.legend(fontsize=6)
+    return figure_png(fig)
+
+
+def write_report(report: EvaluationReport, out: Path, ks: list[int]) -> tuple[str, bytes]:
+    """Write ``report.json`` (records, gates, overlap, missing), ``report.md`` and ``tau_vs_k.png`` to ``out``;
+    returns the markdown and the PNG."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic({"records": report.records, "gates": [g.__dict__ for g in report.gates],
+                       "overlap_rows": report.overlap_rows, "missing": report.missing,
+                       "seconds": round(report.seconds, 2)}, out / "report.json")
+    md = report_markdown(report, ks)
+    (out / "report.md").write_text(md)
+    png = tau_vs_k_png(report)
+    write_bytes_atomic(png, out / "tau_vs_k.png")
+    return md, png
