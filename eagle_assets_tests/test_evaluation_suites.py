@@ -41,7 +41,7 @@ def _catalog(tmp: Path, server_url: str) -> Path:
     base["training"]["mix"]["bucket_caps"] = []
     # thinking on is what the drafter trained on (the demo target's default); off is what it never saw
     words = base["evaluation"]["suites"]["word_problems"]
-    words.update({"sources": [{"path": str(DATA / "U1_word_problems.jsonl"), "format": "gsm8k"}], "limit": 16,
+    words.update({"sources": [{"path": str(DATA / "U1_word_problems.jsonl"), "format": "gsm8k"}], "limit": 12,
                   "sampling": SAMPLING, "tau_warn": 1.3, "min_tau_margin": 0.2})
     # B5's source again: a suite's limit picks its own records (keyed by its name), so some of them are B5's
     # training rows
@@ -231,5 +231,8 @@ def test_heldout_greedy_tau_is_the_acceptance_length_figure(evaluated):
     assert round(r["tau"], 4) == round(acceptance.metadata["mean_tau"].value, 4)
     assert [r["k"] for r in json.loads((store / "evaluation" / "report.json").read_text())["records"]
             if r["suite"] == "heldout"] == [1, 3, 7]
-    # acceptance by position in the sequence: the buckets split the same verifications
+    # acceptance by position in the sequence: the buckets split the same verifications, the training length
+    # (max_length 2048) is an edge and no row reaches it
     assert sum(b["verifications"] for b in r["position_buckets"]) == r["verifications"]
+    assert [b["from"] for b in r["position_buckets"]] == [0, 128, 256]
+    assert not any(b["past_training_length"] for b in r["position_buckets"])

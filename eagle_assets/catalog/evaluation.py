@@ -86,7 +86,8 @@ class EvaluationSpec(StrictModel):
     ``k``: drafts per verification to report tau at (a k curve; ``training.acceptance_k`` is always added: the
     gates read it). ``heldout``: also report the training partitions' held-out test rows (greedy; the rows of the
     ``acceptance_length`` check). ``position_buckets``: edges, in tokens from the row's start, of the
-    position-in-sequence buckets acceptance is broken down by. ``bootstrap``: resamples of each interval.
+    position-in-sequence buckets acceptance is broken down by (``training.max_length`` is always one more: the
+    buckets past it are marked ``past_training_length``). ``bootstrap``: resamples of each interval.
     ``suites``: name -> :class:`SuiteSpec`.
     """
 

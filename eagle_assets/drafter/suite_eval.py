@@ -183,7 +183,10 @@ def evaluate_suites(catalog: Catalog, layout: Layout, target_model, drafter, voc
     """
     started = time.perf_counter()
     spec, t = catalog.evaluation, catalog.training
-    ks, edges, boot = spec.ks(t.acceptance_k), spec.position_buckets, spec.bootstrap
+    # the training length is always a bucket edge: the buckets past it say how the drafter holds up beyond the
+    # longest rows it trained on (training.max_length)
+    ks, boot = spec.ks(t.acceptance_k), spec.bootstrap
+    edges = sorted(set(spec.position_buckets) | {t.max_length})
     cap = t.acceptance_max_positions
     records: list[dict] = []
     gates: list[Gate] = []
@@ -222,6 +225,9 @@ def evaluate_suites(catalog: Catalog, layout: Layout, target_model, drafter, voc
                 records += _records(name, mode, float(suite.sampling.temperature), sampled, len(rows))
             gates.append(gate(t, suite, name, mode, greedy[t.acceptance_k]["tau"], len(rows)))
         log(f"evaluation: suite {name} measured ({ {m: len(r) for m, r in rows_by_mode.items()} } rows by mode)")
+    for record in records:
+        for bucket in record["position_buckets"]:
+            bucket["past_training_length"] = bucket["from"] >= t.max_length
     return EvaluationReport(records, gates, overlap, missing, time.perf_counter() - started)
 
 
@@ -249,8 +255,9 @@ def report_markdown(report: EvaluationReport, ks: list[int]) -> str:
     lines += ["", f"tau by position in the sequence at k={top} (tokens from the row's start: tau over verifications):",
               ""]
     for (suite, mode, temp), by_k in rows.items():
-        cells = [f"{b['from']}-{b['to'] if b['to'] is not None else ''}: {b['tau']:.2f} ({b['verifications']:.0f})"
-                 for b in by_k[top]["position_buckets"]]
+        cells = [f"{b['from']}-{b['to'] if b['to'] is not None else ''}"
+                 + ("(past training length)" if b.get("past_training_length") else "")
+                 + f": {b['tau']:.2f} ({b['verifications']:.0f})" for b in by_k[top]["position_buckets"]]
         lines.append(f"- {suite} / {mode} / T={temp:g}: " + ", ".join(cells))
     if report.gates:
         lines += ["", "gates:", ""] + [f"- {g.text}" for g in report.gates]
