@@ -3,12 +3,14 @@
     eagle-assets run [--catalog PATH] [--partitions A,B.c03] [--skip-training]
     eagle-assets report [--catalog PATH]
 
-``--partitions`` takes dataset keys and chunk keys: a chunked dataset's key runs its ``raw_prompts`` over all its
-chunks in one run (one parse, one step: ``assets.dataset_runs``), then every one of its chunks through the rest of
-``partition_job``, one run each, then ``dataset_job`` (its checks over all its chunks); a chunk key runs that chunk
-(``dataset_job`` follows once all of the dataset's chunks have QC rows). ``run`` executes the Dagster jobs
-in-process against the persistent instance in ``$DAGSTER_HOME`` (set to the repo root, where ``dagster.yaml``
-lives, when unset), so every run shows in ``dagster dev`` afterwards.
+``run`` runs every partition of the catalog (evaluation suites included, as ``eval-<suite>``), then
+``training_job`` (with the ``evaluation`` asset when the catalog has an evaluation section) and prints the
+evaluation report. ``--partitions`` takes dataset keys and chunk keys: a chunked dataset's key runs its
+``raw_prompts`` over all its chunks in one run (one parse, one step: ``assets.dataset_runs``), then every one of
+its chunks through the rest of ``partition_job``, one run each, then ``dataset_job`` (its checks over all its
+chunks); a chunk key runs that chunk (``dataset_job`` follows once all of the dataset's chunks have QC rows).
+``run`` executes the Dagster jobs in-process against the persistent instance in ``$DAGSTER_HOME`` (set to the repo
+root, where ``dagster.yaml`` lives, when unset), so every run shows in ``dagster dev`` afterwards.
 """
 
 from __future__ import annotations
@@ -379,6 +381,9 @@ def _run_jobs(args: argparse.Namespace, defs, instance, catalog, catalog_path: P
             target_path = defs.resources["target"].resolve()
             print(f"drafter checkpoint: {ckpt}\n  serve with: python -m sglang.launch_server --model-path "
                   f"{target_path} {' '.join(serve_flags(ckpt, catalog.training.acceptance_k))}")
+            report = layout.base / "evaluation" / "report.md"
+            if catalog.evaluation is not None and report.exists():
+                print(f"\nevaluation (docs/evaluation.md): {report.parent}\n{report.read_text()}", flush=True)
         else:
             failed.append("training")
     print(f"total {time.monotonic() - t_all:.1f} s")
