@@ -187,6 +187,15 @@ def drafting_mode(target_model: nn.Module, drafter: Eagle3DraftModel, draft_voca
 
 
 @torch.no_grad()
+def draft_chain(drafter: Eagle3DraftModel, aux: torch.Tensor, ids: torch.Tensor, k: int) -> np.ndarray:
+    """int64 ``[T, k]``: the drafter's greedy chain after every position of a row (row ``p`` drafts tokens
+    ``p + 2 .. p + k + 1``, each step fed its own previous draft), from the target's aux states ``[1, T, 3H]`` and
+    the row's ids ``[T]``."""
+    _, drafts = drafter.unroll(aux, ids.unsqueeze(0), k, feed_own_tokens=True)
+    return torch.stack([d[0] for d in drafts], dim=-1).numpy()
+
+
+@torch.no_grad()
 def simulate_acceptance(
     target_model: nn.Module,
     drafter: Eagle3DraftModel,
@@ -265,8 +274,7 @@ def simulate_acceptance(
                 features[row_index] = (aux, greedy)
         chain = chains.get(row_index) if chains is not None else None
         if chain is None or chain.shape[1] < k:
-            _, drafts = drafter.unroll(aux, ids.unsqueeze(0), k, feed_own_tokens=True)
-            chain = torch.stack([d[0] for d in drafts], dim=-1).numpy()  # [T, k]: row p drafts tokens p+2..p+k+1
+            chain = draft_chain(drafter, aux, ids, k)
             if chains is not None:
                 chains[row_index] = chain
         before = len(lengths)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from eagle_assets.drafter.acceptance import bootstrap_tau, drafting_mode, walkable
+from eagle_assets.drafter.acceptance import bootstrap_tau, draft_chain, drafting_mode, walkable
 from eagle_assets.drafter.features.local_capture import decoder_parts, head_logits, run_target
 from eagle_assets.drafter.model import Eagle3DraftModel
 from eagle_assets.drafter.vocab import DraftVocab
@@ -132,8 +132,7 @@ def chain_probabilities(target_model: nn.Module, drafter: Eagle3DraftModel, draf
         ids_np, _mask, segments = walk
         ids = torch.from_numpy(ids_np)
         aux, _final = run_target(target_model, ids, capture)
-        _, drafts = drafter.unroll(aux, ids.unsqueeze(0), k, feed_own_tokens=True)
-        chain = torch.stack([d[0] for d in drafts], dim=-1)  # [T, k]: row n-1 drafts tokens n+1 .. n+k
+        chain = torch.from_numpy(draft_chain(drafter, aux, ids, k))  # row n-1 drafts tokens n+1 .. n+k
         points = [(n, min(k, e - 1 - n)) for s, e in segments for n in range(s, e - 1)]
         for start in range(0, len(points), chunk):
             part = points[start:start + chunk]
@@ -154,12 +153,11 @@ def _chunk_probs(decoder, target_model, ids: torch.Tensor, chain: torch.Tensor, 
     # only the row up to the chunk's last point is needed: later tokens are visible to nobody
     end = max(n for n, _ in points) + 1
     row = ids[:end]
-    extra_tok, extra_pos, extra_parent = [], [], []
+    extra_tok, extra_pos = [], []
     for n, lim in points:  # the chain's drafts 1..lim-1 are fed; draft lim only needs the logits before it
         for i in range(1, lim):
             extra_tok.append(int(chain[n - 1, i - 1]))
             extra_pos.append(n + i)
-            extra_parent.append(n)
     m = len(extra_tok)
     tokens = torch.cat([row, torch.tensor(extra_tok, dtype=row.dtype)])
     pos = torch.cat([torch.arange(end), torch.tensor(extra_pos, dtype=torch.long)])

@@ -80,24 +80,31 @@ def load_split_rows(layout: Layout, catalog: Catalog, keys: list[str], split: st
     return list(iter_split_rows(layout, catalog, keys, split))
 
 
+def iter_shard_rows(paths: list[Path], keep=None):
+    """``(sample_id, input_ids int32 [T], loss_mask int8 [T])`` of QC shards ``paths`` in shard order, one record
+    batch at a time, rows sliced from the batch's flat arrays (never a whole partition's ids as Python lists).
+    ``keep``: a predicate on the sample id; rows it refuses are never sliced (None = every row)."""
+    for path in paths:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024,
+                                                       columns=["sample_id", "input_ids", "loss_mask"]):
+            ids_col, mask_col = batch.column(1), batch.column(2)
+            ids_off, mask_off = ids_col.offsets.to_numpy(), mask_col.offsets.to_numpy()
+            ids_flat = ids_col.values.to_numpy().astype(np.int32, copy=False)
+            mask_flat = mask_col.values.to_numpy().astype(np.int8, copy=False)
+            for i, sid in enumerate(batch.column(0).to_pylist()):
+                if keep is None or keep(sid):
+                    yield (sid, ids_flat[ids_off[i]:ids_off[i + 1]].copy(),
+                           mask_flat[mask_off[i]:mask_off[i + 1]].copy())
+
+
 def iter_split_rows(layout: Layout, catalog: Catalog, keys: list[str], split: str, wanted=None):
-    """``load_split_rows`` lazily: shard by shard, one record batch at a time, rows sliced from the batch's flat
-    arrays (never a whole partition's ids as Python lists). ``wanted``: a collection of ``(partition, sample_id)``
-    to keep (None = every row of the split)."""
+    """``load_split_rows`` lazily (:func:`iter_shard_rows` over each key's shards). ``wanted``: a collection of
+    ``(partition, sample_id)`` to keep (None = every row of the split)."""
     for key in keys:
         paths, splits = dataset_splits(layout, catalog, key)
-        for path in paths:
-            for batch in pq.ParquetFile(path).iter_batches(batch_size=1024,
-                                                           columns=["sample_id", "input_ids", "loss_mask"]):
-                ids_col, mask_col = batch.column(1), batch.column(2)
-                ids_off, mask_off = ids_col.offsets.to_numpy(), mask_col.offsets.to_numpy()
-                ids_flat = ids_col.values.to_numpy().astype(np.int32, copy=False)
-                mask_flat = mask_col.values.to_numpy().astype(np.int8, copy=False)
-                for i, sid in enumerate(batch.column(0).to_pylist()):
-                    if splits[sid] != split or (wanted is not None and (key, sid) not in wanted):
-                        continue
-                    yield (sid, ids_flat[ids_off[i]:ids_off[i + 1]].copy(),
-                           mask_flat[mask_off[i]:mask_off[i + 1]].copy(), key)
+        keep = (lambda sid, sp=splits, k=key: sp[sid] == split and (wanted is None or (k, sid) in wanted))
+        for sid, ids, mask in iter_shard_rows(paths, keep):
+            yield sid, ids, mask, key
 
 
 def mix_candidates(layout: Layout, catalog: Catalog, keys: list[str]):

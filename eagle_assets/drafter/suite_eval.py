@@ -25,12 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from eagle_assets.catalog import Catalog, suite_partition_key
 from eagle_assets.drafter.acceptance import mean_tau_over_groups, position_buckets, simulate_acceptance
 from eagle_assets.drafter.sampled_acceptance import chain_probabilities, sampled_acceptance
-from eagle_assets.drafter.splits import iter_split_rows, load_split_rows
+from eagle_assets.drafter.splits import iter_shard_rows, iter_split_rows, load_split_rows
 from eagle_assets.storage.shards import Layout, write_bytes_atomic, write_json_atomic
 
 HELDOUT = "heldout"
@@ -91,16 +90,8 @@ def suite_rows(layout: Layout, catalog: Catalog, suite: str) -> dict[str, list[t
     from eagle_assets.qc.status import dataset_shard_paths
 
     by_mode: dict[str, list] = {}
-    for path in dataset_shard_paths(layout, catalog, suite_partition_key(suite)):
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=["sample_id", "input_ids",
-                                                                                  "loss_mask"]):
-            ids_col, mask_col = batch.column(1), batch.column(2)
-            ids_off, mask_off = ids_col.offsets.to_numpy(), mask_col.offsets.to_numpy()
-            ids_flat = ids_col.values.to_numpy().astype(np.int32, copy=False)
-            mask_flat = mask_col.values.to_numpy().astype(np.int8, copy=False)
-            for i, sid in enumerate(batch.column(0).to_pylist()):
-                by_mode.setdefault(_mode_of(sid), []).append(
-                    (sid, ids_flat[ids_off[i]:ids_off[i + 1]].copy(), mask_flat[mask_off[i]:mask_off[i + 1]].copy()))
+    for row in iter_shard_rows(dataset_shard_paths(layout, catalog, suite_partition_key(suite))):
+        by_mode.setdefault(_mode_of(row[0]), []).append(row)
     return {mode: sorted(rows, key=lambda r: r[0]) for mode, rows in sorted(by_mode.items())}
 
 
