@@ -20,6 +20,15 @@ if os.environ.get("PYTHONDONTWRITEBYTECODE"):
     del os.environ["PYTHONDONTWRITEBYTECODE"]
     sys.dont_write_bytecode = False
 
+# One torch (OpenMP) thread per process, unless the environment says otherwise. The session runs a worker per core
+# plus one, and most of them start servers, Dagster runs and trainers of their own, so every core is taken: an OpenMP
+# team of two then spin-waits at each barrier for a thread whose core is busy elsewhere. Measured on a 2-core
+# machine, a tiny-matrix torch loop beside one busy process took 5.1 CPU-s with two threads and 2.1 with one (and
+# less wall time); the whole session, 578 instead of 697 CPU-s of its processes. The catalog's
+# ``training.threads: 1`` says the same for training. Every process the session starts inherits it (SGLang's CPU
+# engine too: without AMX it leaves torch's thread count alone); a test that is about threads sets its own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # In-process pipeline tests run on ``dg.DagsterInstance.ephemeral()`` (Dagster's in-memory run and event storage),
 # not ``dg.instance_for_test`` (sqlite files): the sqlite event log opens a new engine for every event it stores,
 # 20-25% of such a test's CPU (test_orchestration_automation.py: 28 CPU-s instead of 34-40). The storages the
