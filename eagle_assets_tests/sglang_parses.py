@@ -33,7 +33,17 @@ def sglang_python() -> Path | None:
     if given and Path(given).is_file():
         return Path(given)
     venv = HERE.parent / ".eagle_assets" / "sglang-cpu-venv"
-    return venv / "bin" / "python" if (venv / ".complete").is_file() else None  # written when its build finished
+    return venv / "bin" / "python" if venv_complete(venv) else None
+
+
+def venv_complete(venv: Path) -> bool:
+    """Whether the SGLang venv at ``venv`` finished its build (``.complete``, written last) and the base venv whose
+    packages it reads (``base``, recorded there; ``real_sglang`` builds on the tests' own venv) is still there."""
+    marker = venv / ".complete"
+    if not marker.is_file():
+        return False
+    base = json.loads(marker.read_text() or "{}").get("base")
+    return base is None or Path(base).is_dir()
 
 
 def _key(case: dict) -> str:

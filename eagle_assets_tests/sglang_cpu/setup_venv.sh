@@ -3,10 +3,15 @@
 #
 #   usage: setup_venv.sh VENV_DIR        (python3.11; pip's configured index or find-links must serve the packages)
 #
+# With BASE_PYTHON set (the tests set it to their own venv's python, which has torch 2.13.0), the new venv sees that
+# venv's packages after its own (a .pth line): pip then installs only what SGLang needs in another version or what
+# the base lacks (sglang, triton, transformers 5.19 ...), not torch and the ~70 packages both share. pip then reports
+# that the base's own packages want other versions (e.g. eagle-assets: transformers 5.24): the base is unchanged.
+#
 # PyPI has no x86 CPU build of SGLang's compiled kernel package: sglang is installed --no-deps beside its non-CUDA
 # requirements on CPU torch 2.13.0, and the server runs with the stand-in eagle_assets_tests/sglang_cpu/sgl_kernel on
-# PYTHONPATH (it defines the names SGLang's CPU path imports and raises if one is ever called). ~2 min from a local
-# package index, ~2.5 GB.
+# PYTHONPATH (it defines the names SGLang's CPU path imports and raises if one is ever called). About 70 s and 3 GB from
+# a local package index on an idle 2-core machine; 40 s and 1.8 GB with BASE_PYTHON.
 set -euo pipefail
 VENV=${1:?usage: $0 VENV_DIR}
 PYTHON=${PYTHON:-python3}
@@ -15,6 +20,10 @@ trap 'rm -rf "$WORK"' EXIT
 
 "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install -q --no-compile)
+SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+if [ -n "${BASE_PYTHON:-}" ]; then
+  "$BASE_PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$SITE/eagle_assets_base_venv.pth"
+fi
 echo "torch==2.13.0" > "$WORK/constraints.txt"
 "${PIP[@]}" -c "$WORK/constraints.txt" torch==2.13.0
 # sglang imports triton at module level; on a CPU host it is imported, never run
@@ -82,7 +91,6 @@ REQ
 # timm pulls torchvision, whose PyPI wheels are CUDA builds: their C extension does not load with CPU torch, and
 # torchvision's _meta_registrations then fails at import ("operator torchvision::nms does not exist"), which breaks
 # `import transformers.image_utils` inside SGLang. Register those fake kernels only when the extension loaded.
-SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 "$VENV/bin/python" - "$SITE/torchvision/_meta_registrations.py" <<'PY'
 import sys
 from pathlib import Path
