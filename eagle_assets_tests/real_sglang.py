@@ -54,7 +54,8 @@ def ensure_sglang_python() -> Path:
         python = DEFAULT_VENV / "bin" / "python"
         if venv_complete(DEFAULT_VENV):
             return python
-        subprocess.run(["rm", "-rf", str(DEFAULT_VENV)], check=False)  # a build that did not finish, or on a base that has gone
+        # a build that did not finish, or one on a base venv that has gone
+        subprocess.run(["rm", "-rf", str(DEFAULT_VENV)], check=False)
         try:
             with open(log, "w") as out:
                 proc = subprocess.run(["bash", str(SETUP_SCRIPT), str(DEFAULT_VENV)], stdout=out,
