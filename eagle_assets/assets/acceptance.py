@@ -3,8 +3,6 @@
 
 import dagster as dg
 
-from eagle_assets.drafter.checkpoint_eval import acceptance_verdict
-
 
 def acceptance_check(t, heldout, unseen, missing: list[str], png_fn, unseen_note: str | None = None,
                      by_mode=None, drafter: str | None = None) -> dg.AssetCheckResult:
@@ -12,6 +10,7 @@ def acceptance_check(t, heldout, unseen, missing: list[str], png_fn, unseen_note
     severity ERROR at level ERROR, else WARN; metadata: the mean with its interval, the levels, tau per partition
     (and per thinking mode, and on the unseen source, when measured), the per-position acceptance plot
     (``png_fn(curves)``) and which drafter was measured (``drafter``, ``DrafterConfig.describe()``)."""
+    from eagle_assets.drafter.checkpoint_eval import acceptance_verdict  # torch: only in the run that trains
     from eagle_assets.figures.plots import png_markdown
 
     verdict = acceptance_verdict(t, heldout, unseen, missing, unseen_note, by_mode)

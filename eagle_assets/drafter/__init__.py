@@ -5,69 +5,49 @@ Domain code only (no Dagster). Formats follow SGLang ``python/sglang/srt/models/
 paper (arXiv 2503.01840); training follows SpecForge's TTT recipe (``specforge/algorithms/eagle3/model.py``).
 """
 
-from eagle_assets.drafter.acceptance import AcceptanceResult, simulate_acceptance
-from eagle_assets.drafter.export import (
-    EXPECTED_KEYS,
-    CheckpointError,
-    CheckpointReport,
-    drafter_config_json,
-    export_checkpoint,
-    load_drafter,
-    serve_flags,
-    validate_checkpoint,
-)
-from eagle_assets.drafter.features.local_capture import (
-    aux_layer_ids,
-    capture_to_layer_output_ids,
-    layer_output_to_capture_ids,
-    run_target,
-    target_features,
-)
-from eagle_assets.drafter.model import DraftArchitecture, DrafterConfig, Eagle3DraftModel
-from eagle_assets.drafter.train import (
-    StepMetrics,
-    TrainConfig,
-    TrainResult,
-    drafter_rows,
-    teacher_positions,
-    train_drafter,
-)
-from eagle_assets.drafter.vocab import (
-    DraftVocab,
-    build_draft_vocab,
-    count_completion_tokens,
-    draft_vocab_from_arrays,
-    validate_draft_vocab,
-)
+from importlib import import_module
 
-__all__ = [
-    "AcceptanceResult",
-    "CheckpointError",
-    "CheckpointReport",
-    "DraftArchitecture",
-    "DraftVocab",
-    "DrafterConfig",
-    "EXPECTED_KEYS",
-    "Eagle3DraftModel",
-    "StepMetrics",
-    "TrainConfig",
-    "TrainResult",
-    "aux_layer_ids",
-    "build_draft_vocab",
-    "capture_to_layer_output_ids",
-    "count_completion_tokens",
-    "draft_vocab_from_arrays",
-    "drafter_config_json",
-    "drafter_rows",
-    "export_checkpoint",
-    "layer_output_to_capture_ids",
-    "load_drafter",
-    "run_target",
-    "serve_flags",
-    "simulate_acceptance",
-    "target_features",
-    "teacher_positions",
-    "train_drafter",
-    "validate_checkpoint",
-    "validate_draft_vocab",
-]
+# Each public name -> its module, imported on first use (PEP 562): the Dagster code server, the run workers and the
+# CLI import this package for its torch-free modules (splits, stage, vocab), and importing torch with it cost each
+# of those processes 1.0-1.4 s of CPU.
+_EXPORTS = {
+    "AcceptanceResult": "acceptance",
+    "aux_layer_ids": "features.local_capture",
+    "build_draft_vocab": "vocab",
+    "capture_to_layer_output_ids": "features.local_capture",
+    "CheckpointError": "export",
+    "CheckpointReport": "export",
+    "count_completion_tokens": "vocab",
+    "draft_vocab_from_arrays": "vocab",
+    "DraftArchitecture": "model",
+    "drafter_config_json": "export",
+    "drafter_rows": "train",
+    "DrafterConfig": "model",
+    "DraftVocab": "vocab",
+    "Eagle3DraftModel": "model",
+    "EXPECTED_KEYS": "export",
+    "export_checkpoint": "export",
+    "layer_output_to_capture_ids": "features.local_capture",
+    "load_drafter": "export",
+    "run_target": "features.local_capture",
+    "serve_flags": "export",
+    "simulate_acceptance": "acceptance",
+    "StepMetrics": "train",
+    "target_features": "features.local_capture",
+    "teacher_positions": "train",
+    "train_drafter": "train",
+    "TrainConfig": "train",
+    "TrainResult": "train",
+    "validate_checkpoint": "export",
+    "validate_draft_vocab": "vocab",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
