@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 from eagle_assets_tests.sglang_parses import sglang_python, venv_complete
@@ -66,8 +65,7 @@ def ensure_sglang_python() -> Path:
         if proc.returncode != 0:
             tail = log.read_text()[-1500:]
             raise SGLangUnavailable(f"building the SGLang CPU venv failed (exit {proc.returncode}; log {log}):\n{tail}")
-        base = sysconfig.get_paths()["purelib"]
-        (DEFAULT_VENV / ".complete").write_text(json.dumps({"sglang": "0.5.23", "base": base}) + "\n")
+        (DEFAULT_VENV / ".complete").write_text(json.dumps({"sglang": "0.5.23"}) + "\n")
         return python
 
 

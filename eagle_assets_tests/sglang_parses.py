@@ -38,12 +38,12 @@ def sglang_python() -> Path | None:
 
 def venv_complete(venv: Path) -> bool:
     """Whether the SGLang venv at ``venv`` finished its build (``.complete``, written last) and the base venv whose
-    packages it reads (``base``, recorded there; ``real_sglang`` builds on the tests' own venv) is still there."""
-    marker = venv / ".complete"
-    if not marker.is_file():
+    packages it reads (the line ``sglang_cpu/setup_venv.sh`` writes with ``BASE_PYTHON``, as ``real_sglang``
+    builds it) is still there."""
+    if not (venv / ".complete").is_file():
         return False
-    base = json.loads(marker.read_text() or "{}").get("base")
-    return base is None or Path(base).is_dir()
+    return all(Path(pth.read_text().strip()).is_dir()
+               for pth in venv.glob("lib/python*/site-packages/eagle_assets_base_venv.pth"))
 
 
 def _key(case: dict) -> str:
