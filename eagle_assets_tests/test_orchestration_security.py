@@ -137,7 +137,49 @@ def test_api_key_is_referenced_by_variable_name_only(tmp_path, monkeypatch):
     defs = build_definitions(_catalog(tmp_path), storage_root=tmp_path / "store")
     sglang = defs.resources["sglang"]
     assert isinstance(sglang, SGLangServerResource) and sglang.api_key_env == "EAGLE_SEC_TEST_KEY"
-    # The resource's config (shown in the UI's resource view and stored with runs) has the name, not the value.
-    config = {f: getattr(sglang, f) for f in type(sglang).model_fields}
-    assert config["api_key_env"] == "EAGLE_SEC_TEST_KEY" and "sk-should-not-appear" not in repr(config)
+    # What the UI's resource view shows (description) and the settings have the name, not the value.
+    shown = repr(sglang.settings()) + repr(sglang) + (sglang.description or "")
+    assert "EAGLE_SEC_TEST_KEY" in shown and "sk-should-not-appear" not in shown
     assert sglang.host == "127.0.0.1"  # a launched server binds loopback unless told otherwise
+
+
+# Each field a run config might use to send the key elsewhere, launch another executable or write elsewhere.
+HOSTILE_RUN_CONFIG = [
+    ("sglang", {"urls": ["http://attacker.example:80"]}),
+    ("sglang", {"api_key_env": "HOME"}),
+    ("sglang", {"python": "/bin/sh"}),
+    ("sglang", {"extra_args": ["--host", "0.0.0.0"]}),
+    ("sglang", {"host": "0.0.0.0"}),
+    ("settings", {"storage_root": "/tmp/elsewhere"}),
+    ("settings", {"catalog_path": "/etc/passwd"}),
+    ("target", {"model": "/tmp/other-model"}),
+]
+
+
+@pytest.mark.parametrize("resource,config", HOSTILE_RUN_CONFIG)
+def test_run_config_cannot_change_what_the_catalog_sets(tmp_path, resource, config):
+    defs = build_definitions(_catalog(tmp_path), storage_root=tmp_path / "store")
+    job = defs.resolve_job_def(PARTITION_JOB)
+    field = next(iter(config))
+    with dg.instance_for_test() as instance:
+        with pytest.raises(dg.DagsterInvalidConfigError, match=rf'unexpected config entry "{field}".*{resource}'):
+            job.execute_in_process(partition_key="B1", instance=instance,
+                                   run_config={"resources": {resource: {"config": config}}})
+        assert instance.get_runs() == []  # refused before a run exists
+    assert not (tmp_path / "store").exists()
+    # the UI's resource view says where the value comes from
+    assert "Set in the catalog only" in defs.resources[resource].description
+
+
+def test_each_run_gets_its_own_server_resource_and_it_is_stopped_after_the_run(tmp_path):
+    sglang = build_definitions(_catalog(tmp_path), storage_root=tmp_path / "store").resources["sglang"]
+    seen = []
+
+    @dg.asset
+    def probe(sglang: dg.ResourceParam[SGLangServerResource]) -> None:
+        seen.append(sglang)
+
+    for _ in range(2):
+        assert dg.materialize([probe], resources={"sglang": sglang}).success
+    assert len(seen) == 2 and seen[0] is not seen[1] and sglang not in seen
+    assert all(run.settings() == sglang.settings() for run in seen)

@@ -34,7 +34,7 @@ def shards(context):
 
 
 @dg.asset(deps=[shards], code_version="3")
-def checkpoint(context: dg.AssetExecutionContext, settings: PipelineSettings):
+def checkpoint(context: dg.AssetExecutionContext, settings: dg.ResourceParam[PipelineSettings]):
     out = Path(settings.storage_root) / "checkpoint"
     out.mkdir(parents=True, exist_ok=True)
     write_provenance(context, settings, out, asset_graph=TOY_GRAPH)

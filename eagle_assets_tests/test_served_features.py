@@ -196,17 +196,16 @@ def test_sglang_command_passes_non_default_layer_ids(target8):
     from eagle_assets.serving.launch import server_command
 
     def command(config, capture_ids, **kw):
-        cmd, shown = server_command("/models/m", launch="sglang", port=30000, python="python",
-                                    aux_capture=AuxCapture.for_target(config, capture_ids, max_row_tokens=4096), **kw)
-        return cmd, shown
+        return server_command("/models/m", launch="sglang", port=30000, python="python",
+                              aux_capture=AuxCapture.for_target(config, capture_ids, max_row_tokens=4096), **kw)
 
     qwen3 = json.loads((target8 / "config.json").read_text())  # 8 layers, +1 rule, default [2, 4, 5]
-    cmd, _ = command(qwen3, None)
+    cmd = command(qwen3, None)
     assert cmd == ["python", "-m", "sglang.launch_server", "--model-path", "/models/m", "--host", "127.0.0.1",
                    "--port", "30000", "--speculative-algorithm", "EAGLE3", "--enable-return-aux-hidden-states",
                    "--disable-radix-cache", "--chunked-prefill-size", "8192"]
-    assert command(qwen3, [5, 2, 4])[0] == cmd  # the default set, in any order: no flag
-    cmd, _ = command(qwen3, [1, 3, 7])
+    assert command(qwen3, [5, 2, 4]) == cmd  # the default set, in any order: no flag
+    cmd = command(qwen3, [1, 3, 7])
     i = cmd.index("--return-aux-hidden-state-layer-ids")
     assert cmd[i + 1:i + 4] == ["0", "2", "6"] and "--return-aux-hidden-state-layer-ids" not in cmd[i + 4:]
     assert capture_ids_from_flag([0, 2, 6], 8, "plus_one") == [1, 3, 7]
@@ -214,19 +213,19 @@ def test_sglang_command_passes_non_default_layer_ids(target8):
     deepseek = {"model_type": "deepseek_v3", "num_hidden_layers": 61}
     kimi = {"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2", "num_hidden_layers": 61}}
     for config in (deepseek, kimi):
-        assert "--return-aux-hidden-state-layer-ids" not in command(config, [2, 30, 58])[0]
-        cmd, _ = command(config, [3, 30, 57])
+        assert "--return-aux-hidden-state-layer-ids" not in command(config, [2, 30, 58])
+        cmd = command(config, [3, 30, 57])
         i = cmd.index("--return-aux-hidden-state-layer-ids")
         assert cmd[i + 1:i + 4] == ["3", "30", "57"]
-        cmd, _ = command(config, [1, 30, 58])  # a leading 1 would shift every id: the largest goes first
+        cmd = command(config, [1, 30, 58])  # a leading 1 would shift every id: the largest goes first
         i = cmd.index("--return-aux-hidden-state-layer-ids")
         assert cmd[i + 1:i + 4] == ["58", "1", "30"]
         assert capture_ids_from_flag([58, 1, 30], 61, "deepseek") == [1, 30, 58]
-    # the user's own flags win, and the API key never shows in the logged command
-    cmd, shown = command(deepseek, [3, 30, 57], extra_args=["--tp", "8", "--chunked-prefill-size", "32768"],
-                         api_key="s3cret")
+    # the user's own flags win, and the API key is not on SGLang's command line (the supervisor hands it over)
+    cmd = command(deepseek, [3, 30, 57], extra_args=["--tp", "8", "--chunked-prefill-size", "32768"],
+                  api_key_env="EAGLE_ASSETS_TEST_KEY")
     assert cmd.count("--chunked-prefill-size") == 1 and cmd[cmd.index("--chunked-prefill-size") + 1] == "32768"
-    assert "s3cret" in cmd and "s3cret" not in shown and "***" in shown
+    assert "--api-key" not in cmd and "EAGLE_ASSETS_TEST_KEY" not in cmd
     with pytest.raises(AuxCaptureError, match="would be the input of layer 8"):  # no layer 8 to capture the input of
         AuxCapture.for_target(qwen3, [2, 4, 8])
 

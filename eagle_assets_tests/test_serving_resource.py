@@ -85,11 +85,11 @@ def test_resource_launches_lazily_once_and_stops_at_teardown(model_dir, tmp_path
     log_dir = tmp_path / "logs"
 
     @dg.asset
-    def no_generation(sglang: SGLangServerResource) -> int:
+    def no_generation(sglang: dg.ResourceParam[SGLangServerResource]) -> int:
         return len(list(log_dir.glob("*.log"))) if log_dir.exists() else 0
 
     @dg.asset(deps=[no_generation])
-    def generation(sglang: SGLangServerResource) -> dict:
+    def generation(sglang: dg.ResourceParam[SGLangServerResource]) -> dict:
         urls = sglang.base_urls(model_dir)
         assert sglang.base_urls(model_dir) == urls  # one server per resource instance
         with pytest.raises(ValueError, match="one launched server serves one model"):
@@ -113,7 +113,7 @@ def test_shared_launcher_serves_every_run_from_one_server_and_stops_at_block_end
     """``eagle-assets run``'s partition runs: one lazily launched server outlives each run's teardown."""
 
     @dg.asset
-    def generation(sglang: SGLangServerResource) -> dict:
+    def generation(sglang: dg.ResourceParam[SGLangServerResource]) -> dict:
         urls = sglang.base_urls(model_dir)
         reply = GenerateClient(urls).generate_all([("a", [7, 8])], SP)[0]
         return {"urls": urls, "pid": sglang.launched.process.pid, "tokens": reply.completion_tokens}

@@ -14,7 +14,8 @@ def gate_check_name(suite: str, mode: str) -> str:
     return f"tau_{suite}_{mode}".replace("-", "_")
 
 
-def evaluation(context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel):
+def evaluation(context: dg.AssetExecutionContext, settings: dg.ResourceParam[PipelineSettings],
+               target: dg.ResourceParam[TargetModel]):
     """Acceptance per suite and thinking mode: tau at each k, greedy and at the suite's temperature, by position."""
     from transformers import AutoModelForCausalLM
 

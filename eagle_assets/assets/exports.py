@@ -50,7 +50,7 @@ def _export_asset(fmt: TrainerFormat) -> dg.AssetsDefinition:
     @dg.asset(name=f"{fmt.name}_export", group_name="exports", deps=["training_mix"], kinds={"json"},
               description=DESCRIPTIONS[fmt.name])
     def _export(context: dg.AssetExecutionContext, config: TrainerExportConfig,
-                settings: PipelineSettings) -> dg.MaterializeResult:
+                settings: dg.ResourceParam[PipelineSettings]) -> dg.MaterializeResult:
         from eagle_assets.exports.pretokenized import ExportError, export_mixed_rows
         from eagle_assets.qc.status import dataset_shard_paths
 

@@ -156,8 +156,9 @@ def _conversation_rows(run: _Run) -> _Outcome:
                     live_from_file=True)
 
 
-def generations(context: dg.AssetExecutionContext, config: GenerationRunConfig, settings: PipelineSettings,
-                target: TargetModel, sglang: SGLangServerResource) -> dg.MaterializeResult:
+def generations(context: dg.AssetExecutionContext, config: GenerationRunConfig,
+                settings: dg.ResourceParam[PipelineSettings], target: dg.ResourceParam[TargetModel],
+                sglang: dg.ResourceParam[SGLangServerResource]) -> dg.MaterializeResult:
     """Raw output_ids + finish_reason from SGLang's native /generate; append-only shards, failures recorded."""
     key = context.partition_key
     catalog = settings.catalog()

@@ -138,7 +138,7 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
             "prompts_available", asset="raw_prompts", blocking=False,
             description="the partition has prompts to generate from (an empty partition flows on with zero rows)")],
     )
-    def raw_prompts(context: dg.AssetExecutionContext, settings: PipelineSettings):
+    def raw_prompts(context: dg.AssetExecutionContext, settings: dg.ResourceParam[PipelineSettings]):
         """Normalized conversations of one dataset partition; every malformed record goes to rejects.parquet with a
         reason (one bad record, whatever it holds, costs only itself); an empty source gives zero rows. A chunk of a
         dataset keeps the dataset's rows that fall in it (``raw_prompts.write``: its rejects are all in chunk 0); the
@@ -175,7 +175,8 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
 
     @dg.asset(partitions_def=partitions_def, group_name="prompts", deps=[raw_prompts], kinds={"parquet"})
     def tokenized_prompts(
-        context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel
+        context: dg.AssetExecutionContext, settings: dg.ResourceParam[PipelineSettings],
+        target: dg.ResourceParam[TargetModel],
     ) -> dg.MaterializeResult:
         """Prompt token ids from the target's chat template (add_generation_prompt=True), rendered once, never
         re-tokenized."""

@@ -67,7 +67,8 @@ def _check_metadata(outcome: Outcome, thresholds: Thresholds, extra: dict | None
     return meta
 
 
-def qc_shards(context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel):
+def qc_shards(context: dg.AssetExecutionContext, settings: dg.ResourceParam[PipelineSettings],
+              target: dg.ResourceParam[TargetModel]):
     """Training rows input_ids = prompt_ids + output_ids with loss_mask; broken rows dropped with a named reason."""
     from eagle_assets.figures.plots import png_markdown
 
@@ -103,7 +104,8 @@ def qc_shards(context: dg.AssetExecutionContext, settings: PipelineSettings, tar
         r.response_length, r.thresholds, {"histogram": histogram}))
 
 
-def length_report(context: dg.AssetExecutionContext, settings: PipelineSettings) -> dg.MaterializeResult:
+def length_report(context: dg.AssetExecutionContext,
+                  settings: dg.ResourceParam[PipelineSettings]) -> dg.MaterializeResult:
     """DuckDB length table of every dataset (total, reasoning, answer tokens) with PNG histograms; a chunked
     dataset's line is over the rows of all its chunks materialized so far."""
     from eagle_assets.figures.plots import png_markdown
@@ -125,7 +127,7 @@ def length_report(context: dg.AssetExecutionContext, settings: PipelineSettings)
     })
 
 
-def dataset_qc(context: dg.AssetExecutionContext, settings: PipelineSettings):
+def dataset_qc(context: dg.AssetExecutionContext, settings: dg.ResourceParam[PipelineSettings]):
     """A chunked dataset's QC over all its chunks: the blocking checks' figures of its union of QC rows, the rows
     and shards of each chunk, and ``qc_status.json``."""
     dataset = context.partition_key

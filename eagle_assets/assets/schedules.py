@@ -35,7 +35,8 @@ def training_run_in_flight(instance: dg.DagsterInstance) -> dg.DagsterRun | None
     default_status=dg.DefaultScheduleStatus.STOPPED,
     description="Re-trains the drafter at 03:00 UTC from every partition whose latest QC passed.",
 )
-def nightly_training_schedule(context: dg.ScheduleEvaluationContext, settings: PipelineSettings):
+def nightly_training_schedule(context: dg.ScheduleEvaluationContext,
+                              settings: dg.ResourceParam[PipelineSettings]):
     """A training run every night, skipped (with the reason) while no partition has passing QC shards or while a
     training run is still queued or running."""
     try:

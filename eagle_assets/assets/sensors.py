@@ -74,7 +74,8 @@ def build_inputs_sensor(partition_keys: list[str]) -> dg.SensorDefinition:
         description="Observes source files, catalog entries and target files; reports a new data version for "
         "each input that changed (the automation_sensor then materializes what depends on it).",
     )
-    def inputs_sensor(context: dg.SensorEvaluationContext, settings: PipelineSettings, target: TargetModel):
+    def inputs_sensor(context: dg.SensorEvaluationContext, settings: dg.ResourceParam[PipelineSettings],
+                      target: dg.ResourceParam[TargetModel]):
         from eagle_assets.assets.inputs import observation_event
         from eagle_assets.lineage.versions import global_input_versions, partition_input_versions
 

@@ -1,9 +1,9 @@
 """Dagster resource for the ``/generate`` server(s): connect to given URLs, or launch one lazily for the run.
 
 The only Dagster-aware module of ``eagle_assets.serving``. Launching happens on the first ``base_urls()`` call,
-never in ``setup_for_execution``: Dagster runs setup in every step process, and most steps never generate, so an
-eager launch would load the model once per step. ``teardown_after_execution`` stops a launched server (process
-group SIGTERM, then SIGKILL); see ``eagle_assets.serving.launch``.
+never when the resource is initialized: Dagster initializes resources in every step process, and most steps never
+generate, so an eager launch would load the model once per step. When the run's steps are done with the resource, a
+launched server is stopped (process group SIGTERM, then SIGKILL); see ``eagle_assets.serving.launch``.
 
 A server can also outlive runs: :func:`shared_launcher` registers a :class:`ServerLauncher` under a key, and a
 resource with ``shared`` set to that key launches through it (still lazily) and leaves the server running at the end
@@ -21,8 +21,8 @@ import uuid
 from typing import Iterator
 
 import dagster as dg
-from pydantic import PrivateAttr
 
+from eagle_assets.assets.resources import CatalogResource
 from eagle_assets.serving.aux_capture import AuxCapture
 from eagle_assets.serving.client import GenerateClient, ServerUnavailable, normalize_url, run_sync
 from eagle_assets.serving.launch import LAUNCH_KINDS, LaunchedServer, launch_server
@@ -102,10 +102,15 @@ def shared_launcher(**kwargs) -> Iterator[str]:
         launcher.stop()
 
 
-class SGLangServerResource(dg.ConfigurableResource):
-    """Where ``/generate`` requests go.
+class SGLangServerResource(CatalogResource):
+    """Where ``/generate`` requests go (a :class:`~eagle_assets.assets.resources.CatalogResource`: set from the
+    catalog's ``server`` section, never from run config: it chooses the executable that is launched, the URLs the
+    API key is sent to and the variable the key is read from).
 
-    Fields:
+    Each run gets its own copy (:meth:`for_run`), so a server one run launched is stopped when that run's steps are
+    done (:meth:`end_run`), and never shared with a concurrent run of the same process.
+
+    Args (keyword only; attributes of the same names):
         urls: connect mode: real SGLang server(s) or one ``sglang-router`` URL; when non-empty nothing is launched.
         launch: when ``urls`` is empty: ``embedded`` (``python -m eagle_assets.serving.server``, CPU friendly) or
             ``sglang`` (``python -m sglang.launch_server``, GPU host).
@@ -121,23 +126,47 @@ class SGLangServerResource(dg.ConfigurableResource):
         python: for ``launch: sglang``: the interpreter of an environment with SGLang (default this one).
         shared: key of a :func:`shared_launcher` of this process: launch through it, and leave the server running
             when the run ends (the launch settings are the launcher's; the fields above are then unused).
+        max_reply_bytes: cap on one reply body (None: derived from each request's ``max_new_tokens``;
+            ``serving.client.GenerateClient``).
     """
 
-    urls: list[str] = []
-    launch: str = "embedded"
-    model_path: str = ""
-    host: str = "127.0.0.1"
-    port: int = 0
-    startup_timeout_s: float = 300.0
-    extra_args: list[str] = []
-    api_key_env: str | None = None
-    log_dir: str | None = None
-    device: str = "auto"
-    python: str | None = None
-    shared: str | None = None
+    def __init__(self, *, urls: list[str] | tuple[str, ...] = (), launch: str = "embedded", model_path: str = "",
+                 host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 300.0,
+                 extra_args: list[str] | tuple[str, ...] = (), api_key_env: str | None = None,
+                 log_dir: str | None = None, device: str = "auto", python: str | None = None,
+                 shared: str | None = None, max_reply_bytes: int | None = None):
+        self.urls, self.launch, self.model_path = list(urls), launch, model_path
+        self.host, self.port, self.startup_timeout_s = host, int(port), float(startup_timeout_s)
+        self.extra_args, self.api_key_env, self.log_dir = list(extra_args), api_key_env, log_dir
+        self.device, self.python, self.shared = device, python, shared
+        self.max_reply_bytes = max_reply_bytes
+        self._own: ServerLauncher | None = None
+        self._lock = threading.Lock()
+        where = (f"the servers {self.urls}" if self.urls else f"a server it launches ({launch})")
+        super().__init__(f"/generate requests go to {where}"
+                         + (f", with the API key from ${api_key_env}" if api_key_env else "") + ".",
+                         resource_fn=self._per_run)
 
-    _own: ServerLauncher | None = PrivateAttr(default=None)
-    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+    SETTINGS = ("urls", "launch", "model_path", "host", "port", "startup_timeout_s", "extra_args", "api_key_env",
+                "log_dir", "device", "python", "shared", "max_reply_bytes")
+
+    def settings(self) -> dict:
+        """The constructor's arguments (names the API key's variable, never holds the key)."""
+        return {name: getattr(self, name) for name in self.SETTINGS}
+
+    def __repr__(self) -> str:
+        return "SGLangServerResource(" + ", ".join(f"{k}={v!r}" for k, v in self.settings().items()) + ")"
+
+    def for_run(self) -> "SGLangServerResource":
+        """A copy with the same settings and no launched server: the run's own."""
+        return SGLangServerResource(**self.settings())
+
+    def _per_run(self, _context: dg.InitResourceContext) -> Iterator["SGLangServerResource"]:
+        run = self.for_run()
+        try:
+            yield run
+        finally:
+            run.stop()  # a server this run launched (a shared launcher's stays up)
 
     def base_urls(self, model_path: str | None = None, aux_capture: AuxCapture | None = None) -> list[str]:
         """Base URLs to send ``/generate`` to, launching a server on the first call when ``urls`` is empty.
@@ -214,6 +243,3 @@ class SGLangServerResource(dg.ConfigurableResource):
             own, self._own = self._own, None
         if own is not None:
             own.stop()
-
-    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
-        self.stop()

@@ -35,8 +35,8 @@ def _passing(context: dg.AssetExecutionContext, settings: PipelineSettings) -> t
     return keys, excluded
 
 
-def draft_vocab(context: dg.AssetExecutionContext, settings: PipelineSettings,
-                target: TargetModel) -> dg.MaterializeResult:
+def draft_vocab(context: dg.AssetExecutionContext, settings: dg.ResourceParam[PipelineSettings],
+                target: dg.ResourceParam[TargetModel]) -> dg.MaterializeResult:
     """Draft vocab (d2t, t2d) from token counts over loss-masked completion tokens of every passing partition."""
     keys, excluded = _passing(context, settings)
     vocab_size = config_vocab_size(target.resolve())
@@ -53,7 +53,8 @@ def draft_vocab(context: dg.AssetExecutionContext, settings: PipelineSettings,
     })
 
 
-def training_mix(context: dg.AssetExecutionContext, settings: PipelineSettings) -> dg.MaterializeResult:
+def training_mix(context: dg.AssetExecutionContext,
+                 settings: dg.ResourceParam[PipelineSettings]) -> dg.MaterializeResult:
     """Rows the drafter trains on: a token budget split by partition weights, with caps on short-row buckets."""
     from eagle_assets.drafter.mix import mix_table_markdown
     from eagle_assets.figures.plots import png_markdown
@@ -237,8 +238,8 @@ def build_training_assets(full_asset_graph: Callable[[], Any] | None = None) -> 
     mix = dg.asset(group_name="drafter", deps=["qc_shards"], kinds={"parquet"}, op_tags=AFTER_OBSERVATIONS)(
         training_mix)
 
-    def drafter_checkpoint(context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel,
-                           sglang: SGLangServerResource):
+    def drafter_checkpoint(context: dg.AssetExecutionContext, settings: dg.ResourceParam[PipelineSettings],
+                           target: dg.ResourceParam[TargetModel], sglang: dg.ResourceParam[SGLangServerResource]):
         """EAGLE-3 drafter trained with TTT on the target's aux hidden states; SGLang-loadable checkpoint directory.
 
         Metadata: the run's size (rows, steps, epochs, tokens, seconds) and its learning curve (TTT loss and
