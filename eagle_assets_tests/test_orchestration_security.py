@@ -183,3 +183,15 @@ def test_each_run_gets_its_own_server_resource_and_it_is_stopped_after_the_run(t
         assert dg.materialize([probe], resources={"sglang": sglang}).success
     assert len(seen) == 2 and seen[0] is not seen[1] and sglang not in seen
     assert all(run.settings() == sglang.settings() for run in seen)
+
+
+def test_a_key_sent_over_plain_http_to_another_host_is_warned_about(tmp_path):
+    path = _catalog(tmp_path)
+    spec = yaml.safe_load(path.read_text())
+    spec["server"]["url"] = ["http://10.1.2.3:30000", "http://127.0.0.1:30000", "https://sglang.example:443"]
+    path.write_text(yaml.safe_dump(spec))
+    warned = [w for w in load_catalog(path).warnings() if "clear text" in w]
+    assert len(warned) == 1 and "http://10.1.2.3:30000" in warned[0] and "$EAGLE_SEC_TEST_KEY" in warned[0]
+    spec["server"]["api_key_env"] = None  # no key, nothing to protect
+    path.write_text(yaml.safe_dump(spec))
+    assert not [w for w in load_catalog(path).warnings() if "clear text" in w]

@@ -184,3 +184,47 @@ def test_sglang_reads_the_key_from_the_fifo_with_its_own_config_parser(tmp_path,
     text = log.read_text()
     assert f"KEY_SHA256 {hashlib.sha256(key.encode()).hexdigest()}" in text, text[-2000:]
     assert key not in text and yaml.safe_dump({"api-key": key}) not in text
+
+
+def test_a_run_that_launches_sglang_and_fails_to_start_leaks_the_key_nowhere(tmp_path, key):
+    """``eagle-assets run`` on a catalog with ``server: {launch: sglang, api_key_env}`` whose SGLang fails at start-up
+    (after printing its server_args, key included): the key arrived, and it is in no process argv, no output of the
+    command, no file under the run's folders (storage, the Dagster instance's sqlite databases and compute logs, the
+    server log, temp files) and no event of the run."""
+    import dagster as dg
+    from dagster._core.instance.ref import InstanceRef
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "B1.json").write_bytes((REPO_ROOT / "catalogs" / "demo_data" / "B1_glaive.json").read_bytes())
+    catalog = tmp_path / "catalogs" / "keyed.yaml"
+    catalog.parent.mkdir()
+    (tmp_path / "sglang-env").mkdir()
+    python = write_standin(tmp_path / "sglang-env" / "python", "fail")
+    catalog.write_text(yaml.safe_dump({
+        "target": {"model": "demo"},
+        "server": {"url": None, "launch": "sglang", "device": "cuda", "python": str(python),
+                   "api_key_env": KEY_ENV},
+        "partitions": {"B1": {"sources": [{"path": str(data / "B1.json"), "format": "glaive"}],
+                              "sampling": {"max_new_tokens": 8}, "limit": 3}},
+    }))
+    home, tmp = tmp_path / "dagster_home", tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "DAGSTER_HOME": str(home), "EAGLE_ASSETS_HOME": str(tmp_path / "store"), "TMPDIR": str(tmp),
+           "EAGLE_STANDIN_RECORD": str(tmp_path / "record.json")}
+    done = subprocess.run([sys.executable, "-m", "eagle_assets.cli", "run", "--catalog", str(catalog),
+                           "--skip-training"], env=env, cwd=tmp_path, capture_output=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output.decode()[-3000:]
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["key_sha256"] == hashlib.sha256(key.encode()).hexdigest()  # SGLang got the key ...
+    assert key not in " ".join(record["argv"])  # ... not on its command line
+    assert b"api_key='***'" in output and key.encode() not in output  # the failure quotes the redacted log
+    leaked = [str(p) for p in tmp_path.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+    assert leaked == [], f"the API key leaked into {leaked}"
+    assert list(home.rglob("*.db")), "the run left no Dagster database to search"
+    with dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
+        runs = instance.get_runs()
+        assert runs and any(r.status == dg.DagsterRunStatus.FAILURE for r in runs)
+        for run in runs:
+            assert key not in dg.serialize_value(instance.all_logs(run.run_id)) + json.dumps(run.run_config)

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.server_resource import SGLangServerResource
+from eagle_assets.catalog.load import cleartext_key_urls
 from eagle_assets.generations.run import FAILURES_FILE, LIVE_STATS_FILE, PartitionBusyError, run_generation
 from eagle_assets.generations.staging import (
     NothingGenerated,
@@ -73,6 +74,9 @@ class _Run:
                                                     timeout_s=server.timeout_s)
         for url, info in infos.items():
             self.context.log.info(f"{client.redact(url)} serves {info.get('model_path', '(model_path not given)')}")
+        for url in cleartext_key_urls(client.urls, client.api_key_env):
+            self.context.log.warning(f"{client.redact(url)} is plain http:// to another host: the API key in "
+                                     f"${client.api_key_env} crosses the network in clear text (use https://)")
         self.urls.extend(client.redact(u) for u in client.urls)
         return client
 

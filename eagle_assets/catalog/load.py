@@ -82,8 +82,16 @@ class Catalog(StrictModel):
     def warnings(self) -> list[str]:
         """Settings that are valid but defeat themselves, one line each with what to change (empty when none):
         a partition whose ``sampling.max_new_tokens`` is below its ``thresholds.short_tokens`` can only produce
-        rows the ``response_length`` check counts as short."""
+        rows the ``response_length`` check counts as short; an API key sent over plain ``http://`` to a host that
+        is not this machine (:func:`cleartext_key_urls`)."""
         out = []
+        features = self.training.features
+        for where, urls, key_env in (("server.url", self.server.urls, self.server.api_key_env),
+                                     ("training.features.url", features.urls,
+                                      features.api_key_env or self.server.api_key_env)):
+            for url in cleartext_key_urls(urls, key_env):
+                out.append(f"{where}: {url} is plain http:// to another host, so the API key in ${key_env} crosses "
+                           "the network in clear text; use https://, an SSH tunnel or a private network")
         for key, spec in self.partitions.items():
             cap, short = spec.sampling.max_new_tokens, spec.thresholds.short_tokens
             if cap < short:
@@ -309,3 +317,25 @@ def default_catalog_path() -> Path:
     """``$EAGLE_ASSETS_CATALOG`` if set, else ``<repo>/catalogs/default.yaml``."""
     env = os.environ.get(CATALOG_ENV)
     return Path(env).expanduser() if env else repo_root() / "catalogs" / "default.yaml"
+
+
+def cleartext_key_urls(urls: list[str], api_key_env: str | None) -> list[str]:
+    """The URLs of ``urls`` that would carry the API key unencrypted off this machine: ``http://`` (or no scheme,
+    which the client reads as ``http://``) to a host other than ``localhost`` or a loopback address, when
+    ``api_key_env`` is set."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    if not api_key_env:
+        return []
+    out = []
+    for url in urls:
+        parts = urlsplit(url.strip() if "://" in url else "http://" + url.strip())
+        host = (parts.hostname or "").lower()
+        try:
+            local = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            local = host == "localhost"
+        if parts.scheme.lower() == "http" and not local:
+            out.append(url)
+    return out
