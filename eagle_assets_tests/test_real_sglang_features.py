@@ -28,7 +28,10 @@ path and the acceptance walk asks the real server for greedy tokens after prefix
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import urllib.request
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +55,8 @@ QUESTIONS = ["What is 7 times 6?", "Write a function that reverses a list.", "Wh
              "How many legs does a spider have?", "Spell the word apple.", "What color is the sky?"]
 NEW_TOKENS = 24
 CAPTURE = [1, 3, 7]
+KEY_ENV = "EAGLE_REAL_SGLANG_KEY"
+PLANTED_KEY = f"sk-planted-{uuid.uuid4().hex}"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -123,8 +128,12 @@ def runs(sglang_python, target8, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         for name, value in sglang_env().items():
             mp.setenv(name, value)
+        # the real server requires a key it gets through the supervisor's FIFO (never argv): every capture
+        # request must carry it, and no file of the run may hold it
+        mp.setenv(KEY_ENV, PLANTED_KEY)
         served = _materialize(tmp / "served", target8, qc_dir, {"source": "served", "teacher": "topk"},
                               {"launch": "sglang", "python": str(sglang_python), "device": "cpu",
+                               "api_key_env": KEY_ENV,
                                "extra_args": ["--max-total-tokens", "8192"]})
     local = _materialize(tmp / "local", target8, qc_dir, {"source": "local"}, {"launch": "embedded"})
     return served, local, qc_dir
@@ -183,3 +192,16 @@ def test_the_drafter_trained_on_sglang_features_is_the_local_drafter(runs):
     ta, tb = (c["acceptance_length"] for c in (local_checks, served_checks))
     assert ta.passed and tb.passed
     assert tb.metadata["mean_tau"].value == pytest.approx(ta.metadata["mean_tau"].value, abs=1e-9)
+
+
+def test_the_real_sglang_got_its_key_through_the_fifo_and_no_file_holds_it(runs):
+    """SGLang 0.5.23 launched by the server resource required the planted key (the capture requests carried it, or
+    training would have had no features) and logged its ``server_args`` with ``api_key`` redacted."""
+    (served_dir, _, _), _, _ = runs
+    logs = list(Path(tempfile.gettempdir()).glob(f"eagle-assets-server-*/sglang-server-{os.getpid()}-*.log"))
+    assert logs, "the launched SGLang's log was not found"
+    text = "\n".join(p.read_text(errors="replace") for p in logs)
+    assert "'api_key': '***'" in text and PLANTED_KEY not in text
+    store = served_dir.parents[1]
+    leaked = [str(p) for p in store.rglob("*") if p.is_file() and PLANTED_KEY.encode() in p.read_bytes()]
+    assert leaked == []
