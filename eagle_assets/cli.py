@@ -175,7 +175,8 @@ def _partition_definitions(defs, catalog_path: Path, catalog, prelaunch: bool = 
     with shared_launcher(launch=server.launch, api_key_env=server.api_key_env, extra_args=list(server.extra_args),
                          device=server.device, python=server.python) as key:
         shared = SGLangServerResource(launch=server.launch, api_key_env=server.api_key_env,
-                                      extra_args=list(server.extra_args), shared=key)
+                                      extra_args=list(server.extra_args), shared=key,
+                                      max_reply_bytes=server.max_reply_bytes)
         if prelaunch:
             # Start the server now, while the first partition reads and tokenizes its prompts; its generations step
             # then finds it ready (or waits on the launcher's lock). A launch that fails here is retried by that

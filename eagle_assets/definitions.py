@@ -136,6 +136,7 @@ def build_definitions(
         sglang = SGLangServerResource(
             urls=list(server.urls), launch=server.launch, api_key_env=server.api_key_env,
             extra_args=list(server.extra_args), device=server.device, python=server.python,
+            max_reply_bytes=server.max_reply_bytes,
         )
     # The checkpoint's provenance walks this Definitions' whole graph (``assets.provenance``): the lambda above is
     # called at run time, after ``defs`` is bound.

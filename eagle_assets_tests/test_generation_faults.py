@@ -448,3 +448,81 @@ def test_echo_that_only_the_reply_shape_betrays_is_retried_then_a_failure_and_qc
     echoed_once = echoing | {s for s in sids if s.startswith("once:")}  # their first reply echoes too
     assert set(old) == set(sids) and {s for s, why in old.items() if why == "prompt_echo"} == echoed_once
     assert all(old[s] in (None, "truncated_in_reasoning") for s in sids if s not in echoed_once)
+
+
+# ------------------------------------------------------------------ bounds: oversized, nested and key-quoting replies
+class BoundsServer(StubServer):
+    """The stub with three more faults (issue 48): ``stream_big`` (300 MB of body, chunked, generated as it is sent),
+    ``huge_length`` (a 300 MB Content-Length), ``deep`` (a 100k-deep JSON array) and ``auth_cut`` (HTTP 500 whose
+    body quotes the request's ``Authorization`` header so that the key straddles the client's 300-byte excerpt)."""
+
+    BIG = 300_000_000
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.streamed: Counter = Counter()
+
+    async def _misbehave(self, action, request, body, started):
+        from aiohttp import web
+
+        rid = str(body.get("rid"))
+        if action in ("stream_big", "huge_length"):
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            if action == "huge_length":
+                resp.content_length = self.BIG
+            else:
+                resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            chunk = b"7," * 32768
+            try:
+                await resp.write(b'{"output_ids":[')
+                while self.streamed[rid] < self.BIG:
+                    await resp.write(chunk)
+                    self.streamed[rid] += len(chunk)
+            except (ConnectionError, RuntimeError):  # the client hung up
+                pass
+            return resp
+        if action == "deep":
+            return web.Response(body=b"[" * 100_000 + b"]" * 100_000, content_type="application/json")
+        if action == "auth_cut":
+            auth = request.headers.get("Authorization", "")
+            pad = "p" * (300 - len("proxy error ") - len("Bearer ") - 7)  # the key's first 7 chars before the cut
+            return web.Response(status=500, text=f"proxy error {pad}{auth} (request headers)")
+        return await super()._misbehave(action, request, body, started)
+
+
+def test_oversized_nested_and_key_quoting_replies_are_failure_rows_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_TEST_KEY", SECRET)
+    prompts = {f"ok:{i}": _prompt(i) for i in range(12)}
+    prompts.update({f"always:{f}": _prompt(300 + j) for j, f in enumerate(("stream_big", "huge_length", "deep",
+                                                                             "auth_cut"))})
+    prompts["once:stream_big"] = _prompt(320)
+    out = tmp_path / "gen"
+    stub = BoundsServer(vocab_size=VOCAB, fault=Script(burst_s=0.0))
+    with serve_stub_in_thread(stub) as running:
+        client = GenerateClient([running.url], concurrency_per_server=4, timeout_s=60, backoff_base_s=0.01,
+                                backoff_max_s=0.05, max_attempts=3, api_key_env="EAGLE_TEST_KEY")
+        stats = run_generation(list(prompts.items()), out, client, SP, VOCAB, flush_rows=5)
+        sent = Counter(stub.stats.per_rid)
+        streamed = dict(stub.streamed)
+    rows = _rows(out)
+    table = pq.read_table(out / FAILURES_FILE)
+    failures = {f["sample_id"]: f for f in table.to_pylist()}
+    # the partition finished: every healthy request is a row, every fault exactly one failure row of its kind
+    assert set(rows) == {s for s in prompts if s.startswith("ok:")}
+    _assert_rows_are_exact(rows, prompts)
+    assert {s: (f["kind"], f["attempts"]) for s, f in failures.items()} == {
+        "always:stream_big": ("reply_too_large", 1), "always:huge_length": ("reply_too_large", 1),
+        "once:stream_big": ("reply_too_large", 1),  # not retried, even though the next answer would be good
+        "always:deep": ("bad_json", 3), "always:auth_cut": ("http_5xx", 3)}
+    assert all(f["attempts"] == sent[s] for s, f in failures.items())
+    assert stats.failure_kinds == Counter({"reply_too_large": 3, "bad_json": 1, "http_5xx": 1})
+    cap = 1_048_576 + 512 * SP.max_new_tokens
+    big = failures["always:stream_big"]["last_error"]
+    assert f"{cap:,}-byte limit" in big and "server.max_reply_bytes" in big and "bytes read" in big
+    assert "Content-Length 300,000,000 bytes" in failures["always:huge_length"]["last_error"]
+    assert all(n < 100 * cap for n in streamed.values()), streamed  # the 300 MB were never pulled
+    # the key: not whole, not its head, anywhere in the table the run wrote
+    shown = repr(table.to_pylist())
+    assert not any(SECRET[:n] in shown for n in range(4, len(SECRET) + 1))
+    assert "proxy error ppp" in failures["always:auth_cut"]["last_error"]

@@ -200,7 +200,8 @@ class SGLangServerResource(CatalogResource):
             As ``base_urls`` when a launch fails.
         """
         client = GenerateClient(self.base_urls(model_path), concurrency_per_server=concurrency,
-                                timeout_s=timeout_s, api_key_env=self.api_key_env)
+                                timeout_s=timeout_s, api_key_env=self.api_key_env,
+                                max_reply_bytes=self.max_reply_bytes)
         try:
             infos = run_sync(client.probe())
         except ServerUnavailable as exc:

@@ -3,7 +3,8 @@
 Shape (see catalogs/default.yaml)::
 
     target:   {model: demo | <local model dir> | <hub id in the local cache>, profile: {overrides}}
-    server:   {url: null | str | [str], launch: embedded | sglang, concurrency, timeout_s, api_key_env, extra_args}
+    server:   {url: null | str | [str], launch: embedded | sglang, concurrency, timeout_s, api_key_env,
+               max_reply_bytes, extra_args}
     partitions:
       <key>:  {description, sources: [{path, format}], prompt_policy, enable_thinking, sampling: {max_new_tokens,
                temperature, top_p, top_k}, limit, seed, max_prompt_tokens, thresholds: {...}, max_turns,

@@ -56,13 +56,17 @@ class ServerSpec(StrictModel):
     """Where generations come from: ``url`` (one SGLang server / sglang-router URL or a list) or, when null, a
     server launched by the pipeline (``launch``: embedded | sglang). For ``launch: sglang``: ``device`` (auto = CPU
     when torch sees no CUDA device; on CPU SGLang's CPU engine, ``serving.launch.cpu_server_args``) and ``python``
-    (the interpreter of an environment with SGLang; null = the pipeline's own)."""
+    (the interpreter of an environment with SGLang; null = the pipeline's own). ``max_reply_bytes``: the most bytes
+    one ``/generate`` reply may have (an int >= 1); null (default) = derived per request from its ``max_new_tokens``
+    (``serving.client.generate_reply_cap``: 1 MiB + 512 bytes per token, far above a genuine reply); a larger reply
+    is one ``reply_too_large`` failure instead of a process that runs out of memory."""
 
     url: str | list[str] | None = None
     launch: Literal["embedded", "sglang"] = "embedded"
     concurrency: int = Field(32, gt=0)
     timeout_s: float = Field(600, gt=0)
     api_key_env: str | None = None
+    max_reply_bytes: int | None = None
     extra_args: list[str] = Field(default_factory=list)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     python: str | None = None
@@ -78,6 +82,18 @@ class ServerSpec(StrictModel):
     @classmethod
     def _urls_are_http(cls, v: Any) -> Any:
         return check_http_urls(v)
+
+    @field_validator("max_reply_bytes", mode="before")
+    @classmethod
+    def _reply_cap(cls, v: Any) -> Any:
+        # before pydantic's coercion: "64MiB", 1.5e6 or true must not pass as some number of bytes; digits from a
+        # ${VAR} expansion (a string) are a number, as for the other int fields
+        if isinstance(v, str) and v.strip().isdigit():
+            v = int(v)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError("must be a whole number of bytes >= 1 (e.g. 67108864 for 64 MiB), or null to derive "
+                             "the cap from each request's max_new_tokens (1 MiB + 512 bytes per token)")
+        return v
 
 
 class SamplingSpec(StrictModel):

@@ -18,9 +18,19 @@ by ``parse_generate_reply``). Transport choices and why:
   served drafter features) through the same loop: the caller's ``parse`` raises ``ReplyError`` for an unusable reply.
 - Server choice: least requests in flight, servers that just failed are avoided for a short cool-down, ties go round
   robin. A single ``sglang-router`` URL works the same way.
+- Every reply body is read up to a size cap (``max_reply_bytes``; for ``/generate`` derived from the request's
+  ``max_new_tokens`` by :func:`generate_reply_cap`): a ``Content-Length`` over it is refused without reading the
+  body, any other body is read in chunks and dropped as soon as it passes the cap (its connection is closed, not
+  reused), so one misbehaving server or proxy costs at most the cap per request in flight (a 300 MB reply once took
+  a run to 3.4 GB of RSS). Such an attempt fails with kind ``reply_too_large`` and is NOT retried: the cap is far
+  above any genuine reply (see :func:`generate_reply_cap`), so an oversized one is a server or proxy fault that the
+  same request will meet again, and each retry would pull another cap's worth of bytes; a rerun of the partition
+  resends the failed ids. The message names the limit, the bytes seen and the fix (``server.max_reply_bytes``).
 - The API key is read from the environment variable named by ``api_key_env`` and sent as
   ``Authorization: Bearer``; it never appears in errors, logs or ``repr``: error texts are redacted, since they
-  quote server replies and a misbehaving proxy may echo the request's headers back.
+  quote server replies and a misbehaving proxy may echo the request's headers back. A quoted body is redacted
+  before it is cut to an excerpt, and a key prefix left just before a cut another layer made (``CUT_MARK``, e.g.
+  ``parse_generate_reply`` quoting an error object) or at the end of a text is removed as well (``redact``).
 - ``run_sync`` (used by ``generate_all`` and ``eagle_assets.generations.run.run_generation``) runs the loop on uvloop
   when it is installed. Measured with ``bench/bench_client.py`` (1,000-token replies, one process): about 2,500
   validated requests/s on a free core, 2-4x a thread pool of blocking clients.
@@ -46,12 +56,14 @@ import orjson
 
 from eagle_assets.figures.running import DurationSketch
 from eagle_assets.serving.protocol import (
+    CUT_MARK,
     GenerateFailure,
     GenerateReply,
     GenerateRequest,
     ReplyError,
     SamplingParams,
     WellFormed,
+    clip_text,
     parse_generate_reply,
 )
 
@@ -59,6 +71,86 @@ Result = GenerateReply | GenerateFailure
 _USERINFO = re.compile(r"//[^/@\s]+@")
 _INT_ONLY = {int}
 OnResult = Callable[[str, Result], Any]
+
+# The size cap of a /generate reply (generate_reply_cap). A reply is {"text", "output_ids", "meta_info"}; per token
+# it carries one id in output_ids (at most 7 bytes with its comma for a 151k vocab) and that token's text, JSON-
+# escaped. Measured: the embedded server's replies of 256-1,024 tokens are 9.1-9.7 bytes per token (demo target,
+# meta_info 155-164 bytes); the longest decoded token of the Qwen3 (151,669 ids) and DeepSeek-V3 (128,815) vocabs is
+# 128 bytes of JSON text (a run of spaces or dots), and \u-escaping (json.dumps' ensure_ascii) at most triples a
+# token's UTF-8 bytes. 512 bytes per token covers a reply made only of the longest tokens, escaped, with room to
+# spare (about 50x the measured mean); the 1 MiB base covers meta_info (SGLang adds fields over versions, an abort
+# message, a proxy's own fields) and pretty-printed JSON. A 32k-token request gets 17 MiB.
+REPLY_BASE_BYTES = 1 << 20
+REPLY_BYTES_PER_TOKEN = 512
+# post_many without a cap from its caller or the client: the largest /generate reply of 128k tokens by the rule above.
+# Callers whose replies are larger by design (hidden states) pass their own.
+POST_DEFAULT_MAX_REPLY_BYTES = 64 << 20
+# GET /health, /get_model_info, /server_info: a few kB from SGLang (its server args included).
+INFO_MAX_REPLY_BYTES = 4 << 20
+# How many characters of a body an error message quotes.
+EXCERPT_CHARS = 300
+# Where an explicit cap comes from, for the reply_too_large message.
+_CATALOG_CAP = ("server.max_reply_bytes in the catalog (GenerateClient(max_reply_bytes=...)); raise it if such replies "
+                "are genuine")
+# The shortest key prefix removed before a cut: shorter ones say nothing about the key and would blank ordinary
+# words that end a text.
+MIN_KEY_PREFIX = 4
+
+
+def generate_reply_cap(max_new_tokens: int) -> int:
+    """The default size cap, in bytes, of the reply to a ``/generate`` request asking for ``max_new_tokens``
+    tokens: ``REPLY_BASE_BYTES + REPLY_BYTES_PER_TOKEN * max_new_tokens`` (1 MiB + 512 B per token; the reasoning
+    and the measurements are at those constants). Raises ValueError for ``max_new_tokens`` < 1."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    return REPLY_BASE_BYTES + REPLY_BYTES_PER_TOKEN * int(max_new_tokens)
+
+
+def _check_cap(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 (bytes) or None, got {value!r}")
+    return int(value)
+
+
+class _Oversized:
+    """A body over its cap: ``size`` bytes announced by ``Content-Length`` (``announced``) or read so far."""
+
+    __slots__ = ("size", "announced", "cap")
+
+    def __init__(self, size: int, announced: bool, cap: int):
+        self.size, self.announced, self.cap = size, announced, cap
+
+    def describe(self) -> str:
+        if self.announced:
+            return (f"Content-Length {self.size:,} bytes is over the {self.cap:,}-byte limit on one reply; the body "
+                    "was not read")
+        return (f"the body passed the {self.cap:,}-byte limit on one reply ({self.size:,} bytes read when reading "
+                "stopped)")
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes | _Oversized:
+    """The body of ``resp`` if it has at most ``cap`` bytes (after aiohttp's decompression), else ``_Oversized``.
+
+    A ``Content-Length`` over ``cap`` is refused before any byte of the body is read; otherwise chunks are read as
+    they arrive and reading stops at the first one that passes ``cap``, so at most ``cap`` plus one chunk (aiohttp
+    reads 64 KiB at a time and decompresses in bounded steps) is held. An oversized response's connection is
+    closed, never returned to the pool: the rest of its body is still in flight on it.
+    """
+    announced = resp.content_length
+    if announced is not None and announced > cap:
+        resp.close()
+        return _Oversized(announced, True, cap)
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > cap:
+            resp.close()
+            return _Oversized(size, False, cap)
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 @dataclass
@@ -159,11 +251,6 @@ def _retry_after(resp_headers: Any) -> float | None:
         return None
 
 
-def _body_excerpt(raw: bytes, limit: int = 300) -> str:
-    text = raw[:limit].decode("utf-8", "replace")
-    return text + ("..." if len(raw) > limit else "")
-
-
 class GenerateClient:
     """Client for one or more SGLang ``/generate`` servers (or one ``sglang-router``).
 
@@ -176,10 +263,15 @@ class GenerateClient:
             ``backoff_max_s``.
         backoff_max_s: cap on one backoff wait.
         api_key_env: name of the environment variable holding the API key; None = no key.
-        cooldown_s: how long a server that just failed (connection error, timeout, 5xx) is avoided when another
-            server is available.
+        cooldown_s: how long a server that just failed (connection error, timeout, 5xx, oversized reply) is
+            avoided when another server is available.
+        max_reply_bytes: cap, in bytes, on one reply body (``/generate`` and ``post_many`` replies); None = derived
+            per request: ``generate_reply_cap(max_new_tokens)`` for generation, the caller's cap (or
+            ``POST_DEFAULT_MAX_REPLY_BYTES``) for ``post_many``. A larger reply is one ``reply_too_large`` failure
+            (module docstring). The catalog's ``server.max_reply_bytes``.
     Raises:
-        ValueError: no URL, bad numbers, or ``api_key_env`` names a variable that is unset or empty.
+        ValueError: no URL, bad numbers (``max_reply_bytes`` must be an int >= 1 or None), or ``api_key_env``
+            names a variable that is unset or empty.
     """
 
     def __init__(
@@ -193,6 +285,7 @@ class GenerateClient:
         *,
         backoff_max_s: float = 30.0,
         cooldown_s: float = 2.0,
+        max_reply_bytes: int | None = None,
     ):
         if isinstance(urls, str):
             urls = [urls]
@@ -210,6 +303,7 @@ class GenerateClient:
         self.backoff_base_s = float(backoff_base_s)
         self.backoff_max_s = float(backoff_max_s)
         self.cooldown_s = float(cooldown_s)
+        self.max_reply_bytes = _check_cap("max_reply_bytes", max_reply_bytes)
         self.api_key_env = api_key_env
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         self._secrets: tuple[str, ...] = ()
@@ -228,7 +322,8 @@ class GenerateClient:
     def __repr__(self) -> str:
         return (
             f"GenerateClient(urls={self.urls}, concurrency_per_server={self.concurrency_per_server}, "
-            f"timeout_s={self.timeout_s}, max_attempts={self.max_attempts}, api_key_env={self.api_key_env!r})"
+            f"timeout_s={self.timeout_s}, max_attempts={self.max_attempts}, api_key_env={self.api_key_env!r}, "
+            f"max_reply_bytes={self.max_reply_bytes})"
         )
 
     # ------------------------------------------------------------------------------------------------ session
@@ -243,13 +338,17 @@ class GenerateClient:
     async def get_json(self, path: str, url: str | None = None) -> Any:
         """GET ``path`` (e.g. ``/get_model_info``) from ``url`` (default the first) and return the parsed JSON.
 
-        Raises aiohttp.ClientResponseError for a non-200 status, aiohttp.ClientError / TimeoutError otherwise.
+        Raises aiohttp.ClientResponseError for a non-200 status, ValueError for a body over
+        ``INFO_MAX_REPLY_BYTES`` or not JSON, aiohttp.ClientError / TimeoutError otherwise.
         """
         base = normalize_url(url) if url else self.urls[0]
         async with self._session(1) as session:
             async with session.get(base + path) as resp:
                 resp.raise_for_status()
-                return json.loads(await resp.read())
+                raw = await _read_capped(resp, INFO_MAX_REPLY_BYTES)
+        if isinstance(raw, _Oversized):
+            raise ValueError(f"GET {path}: {raw.describe()}")
+        return json.loads(raw)
 
     async def probe(self, attempts: int = 3, timeout_s: float = 10.0) -> dict[str, dict]:
         """Ask every server ``GET /health`` then ``GET /get_model_info`` before any request is sent.
@@ -274,9 +373,11 @@ class GenerateClient:
                     try:
                         for path in ("/health", "/get_model_info"):
                             async with session.get(url + path) as resp:
-                                raw = await resp.read()
+                                raw = await _read_capped(resp, INFO_MAX_REPLY_BYTES)
+                                if isinstance(raw, _Oversized):
+                                    raise ValueError(f"GET {path} answered HTTP {resp.status}: {raw.describe()}")
                                 if resp.status != 200:
-                                    raise ValueError(f"GET {path} answered HTTP {resp.status}: {_body_excerpt(raw)}")
+                                    raise ValueError(f"GET {path} answered HTTP {resp.status}: {self._excerpt(raw)}")
                         infos[url] = json.loads(raw) if raw.strip() else {}
                         break
                     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
@@ -409,7 +510,7 @@ class GenerateClient:
         return results  # type: ignore[return-value]
 
     async def post_many(self, items: Iterable[tuple[str, bytes]], parse: Callable[[str, bytes], Any],
-                        on_result: Callable[[str, Any], Any]) -> ClientStats:
+                        on_result: Callable[[str, Any], Any], max_reply_bytes: int | None = None) -> ClientStats:
         """POST prepared ``/generate`` bodies with this client's servers, retries and backoff (the module
         docstring's rules), for requests other than plain generation (e.g. aux-hidden-state capture:
         ``eagle_assets.drafter.features.served_client``).
@@ -420,9 +521,23 @@ class GenerateClient:
                 reply (retried when ``retryable``, then delivered as a ``GenerateFailure`` of that kind). Any other
                 exception cancels the remaining work and propagates.
             on_result: ``on_result(rid, value | GenerateFailure)`` in completion order (sync or async).
+            max_reply_bytes: cap, in bytes, on each reply body, derived by the caller from what it asks for (e.g.
+                ``ServedFeatureSource.reply_cap``); None = the client's ``max_reply_bytes``, else
+                ``POST_DEFAULT_MAX_REPLY_BYTES``. A larger reply is a ``GenerateFailure`` of kind
+                ``reply_too_large`` (not retried).
         Returns:
             ``ClientStats`` (also ``self.last_stats``).
+        Raises:
+            ValueError: ``max_reply_bytes`` not an int >= 1 or None.
         """
+        cap = _check_cap("max_reply_bytes", max_reply_bytes)
+        if cap is not None:
+            cap_source = "the caller's, derived from what the request asks for (post_many(max_reply_bytes=...))"
+        elif self.max_reply_bytes is not None:
+            cap, cap_source = self.max_reply_bytes, _CATALOG_CAP
+        else:
+            cap = POST_DEFAULT_MAX_REPLY_BYTES
+            cap_source = "post_many's default; pass post_many(max_reply_bytes=...) for replies larger by design"
         stats = ClientStats()
         self.last_stats = stats
         started = time.monotonic()
@@ -439,7 +554,7 @@ class GenerateClient:
                 stats.requests += 1
                 t0 = time.monotonic()
                 sent = await self._send(session, servers, str(rid), body, lambda raw, r=str(rid): parse(r, raw),
-                                        stats)
+                                        stats, cap, cap_source)
                 if isinstance(sent, GenerateFailure):
                     stats.failed += 1
                     stats.failure_kinds[sent.kind] += 1
@@ -455,9 +570,10 @@ class GenerateClient:
         await self._run_workers(workers, worker, stats, started)
         return stats
 
-    def post_all(self, items: Sequence[tuple[str, bytes]], parse: Callable[[str, bytes], Any]) -> list[Any]:
-        """Synchronous :meth:`post_many`: one parsed value or ``GenerateFailure`` per item, in input order
-        (rids must be unique)."""
+    def post_all(self, items: Sequence[tuple[str, bytes]], parse: Callable[[str, bytes], Any],
+                 max_reply_bytes: int | None = None) -> list[Any]:
+        """Synchronous :meth:`post_many` (``max_reply_bytes`` as there): one parsed value or ``GenerateFailure``
+        per item, in input order (rids must be unique)."""
         position = {str(rid): i for i, (rid, _body) in enumerate(items)}
         if len(position) != len(items):
             raise ValueError("post_all needs unique rids")
@@ -466,7 +582,7 @@ class GenerateClient:
         def on_result(rid: str, value: Any) -> None:
             results[position[rid]] = value
 
-        run_sync(self.post_many(items, parse, on_result))
+        run_sync(self.post_many(items, parse, on_result, max_reply_bytes))
         return results
 
     # ------------------------------------------------------------------------------------------------ internals
@@ -533,7 +649,8 @@ class GenerateClient:
             return parse_generate_reply(raw, ids, vocab_size, max_new_tokens=sp.max_new_tokens, rid=rid,
                                         control_ids=control_ids, well_formed=well_formed)
 
-        sent = await self._send(session, servers, rid, body, parse, stats)
+        cap, cap_source = self._generate_cap(sp.max_new_tokens)
+        sent = await self._send(session, servers, rid, body, parse, stats, cap, cap_source)
         if isinstance(sent, GenerateFailure):
             return sent
         reply, attempt, server = sent
@@ -543,10 +660,13 @@ class GenerateClient:
         return reply
 
     async def _send(self, session: aiohttp.ClientSession, servers: list[_Server], rid: str, body: bytes,
-                    parse: Callable[[bytes], Any], stats: ClientStats) -> tuple[Any, int, _Server] | GenerateFailure:
+                    parse: Callable[[bytes], Any], stats: ClientStats, max_bytes: int,
+                    cap_source: str) -> tuple[Any, int, _Server] | GenerateFailure:
         """POST ``body`` to ``/generate`` until ``parse`` accepts a 200 reply: ``(parsed, attempts, server)``, or
         the :class:`GenerateFailure` of the last attempt (the retry rules of the module docstring; ``parse`` raises
-        ``ReplyError`` for an unusable reply, retried when ``retryable``)."""
+        ``ReplyError`` for an unusable reply, retried when ``retryable``). Every body, whatever its status, is read
+        up to ``max_bytes`` (``_read_capped``); a larger one ends the attempts as ``reply_too_large``, its message
+        naming ``cap_source`` (where the cap comes from and how to raise it)."""
         errors: list[str] = []
         last: _Attempt | None = None
         server: _Server | None = None
@@ -561,15 +681,17 @@ class GenerateClient:
             try:
                 async with session.post(server.generate_url, data=body) as resp:
                     status = resp.status
-                    raw = await resp.read()
                     headers = resp.headers
+                    raw = await _read_capped(resp, max_bytes)
             except asyncio.TimeoutError:
                 last = _Attempt("timeout", f"no complete reply from {server.url} within {self.timeout_s:g}s "
                                            "(raise server.timeout_s for long generations)", True, server_fault=True)
             except aiohttp.ClientError as exc:
                 last = _Attempt("connection", f"{server.url}: {type(exc).__name__}: {exc}", True, server_fault=True)
             else:
-                if status == 200:
+                if isinstance(raw, _Oversized):
+                    last = self._too_large(server, status, raw, cap_source)
+                elif status == 200:
                     try:
                         parsed = parse(raw)
                     except ReplyError as exc:
@@ -597,14 +719,45 @@ class GenerateClient:
     def redact(self, text: str) -> str:
         """``text`` with the API key and any ``user:password@`` of a URL replaced by ``***``.
 
-        Error texts quote server replies, and a misbehaving server or proxy may echo the request's headers.
+        Error texts quote server replies, and a misbehaving server or proxy may echo the request's headers. A
+        quote may have been cut inside the key by a layer that does not know it (``parse_generate_reply``
+        quoting an error object, ``clip_text``): a prefix of the key of ``MIN_KEY_PREFIX`` characters or more
+        that ends right before a ``CUT_MARK`` or at the end of ``text`` is replaced too.
         """
         for secret in self._secrets:
-            text = text.replace(secret, "***")
+            text = _redact_cut_prefixes(text.replace(secret, "***"), secret)
         return _USERINFO.sub("//***@", text)
 
+    def _excerpt(self, raw: bytes, limit: int = EXCERPT_CHARS) -> str:
+        """The first ``limit`` characters of a body, redacted BEFORE the cut (a key straddling the cut would
+        otherwise leave its prefix), then ``CUT_MARK`` when something was cut."""
+        # a character is at most 4 UTF-8 bytes, so the first `limit` characters lie in 4 * limit bytes; a key
+        # starting among them ends within its own length more: every such key is whole in the window
+        window = raw[: 4 * limit + max((len(k.encode()) for k in self._secrets), default=0)]
+        text = self.redact(window.decode("utf-8", "replace"))
+        if len(raw) > len(window) and len(text) <= limit:
+            return text + CUT_MARK
+        return clip_text(text, limit)
+
+    def _too_large(self, server: _Server, status: int, big: _Oversized, cap_source: str) -> _Attempt:
+        where = server.generate_url + ("" if status == 200 else f" (HTTP {status})")
+        # not retried: the cap is far above a genuine reply, the same request would meet the same server fault,
+        # and each retry would pull another cap's worth of bytes
+        return _Attempt("reply_too_large", f"{where}: {big.describe()} (the connection was closed). The limit is "
+                                           f"{cap_source}; a server or proxy that sends more is misbehaving",
+                        False, server_fault=True)
+
+    def _generate_cap(self, max_new_tokens: int) -> tuple[int, str]:
+        """The cap on a ``/generate`` reply and where it comes from (for the ``reply_too_large`` message)."""
+        if self.max_reply_bytes is not None:
+            return self.max_reply_bytes, _CATALOG_CAP
+        return generate_reply_cap(max_new_tokens), (
+            f"derived from max_new_tokens={max_new_tokens} ({REPLY_BASE_BYTES:,} + {REPLY_BYTES_PER_TOKEN} bytes per "
+            "token, generate_reply_cap); if such replies are genuine, set server.max_reply_bytes in the catalog "
+            "above it")
+
     def _http_failure(self, server: _Server, status: int, raw: bytes, headers: Any) -> _Attempt:
-        excerpt = _body_excerpt(raw)
+        excerpt = self._excerpt(raw)
         where = f"{server.generate_url} answered HTTP {status}"
         if status in (400, 422):
             return _Attempt("bad_request", f"{where}: {excerpt} (the server refuses this request as sent)", False)
@@ -622,6 +775,24 @@ class GenerateClient:
         if status >= 500:
             return _Attempt("http_5xx", f"{where}: {excerpt}", True, _retry_after(headers), server_fault=True)
         return _Attempt(f"http_{status}", f"{where}: {excerpt}", False)
+
+
+def _redact_cut_prefixes(text: str, secret: str) -> str:
+    """``text`` with each prefix of ``secret`` (``MIN_KEY_PREFIX`` characters or more, the longest first) that
+    ends right before a ``CUT_MARK`` or at the end of ``text`` replaced by ``***``."""
+    if len(secret) <= MIN_KEY_PREFIX or secret[:MIN_KEY_PREFIX] not in text:
+        return text  # the common case: no prefix anywhere, one scan
+    ends = {len(text)}
+    at = text.find(CUT_MARK)
+    while at >= 0:
+        ends.add(at)
+        at = text.find(CUT_MARK, at + 1)
+    for end in sorted(ends, reverse=True):  # from the back: earlier positions stay valid
+        for n in range(min(len(secret) - 1, end), MIN_KEY_PREFIX - 1, -1):
+            if text.startswith(secret[:n], end - n):
+                text = text[: end - n] + "***" + text[end:]
+                break
+    return text
 
 
 def _item_rid(item: Any) -> str:

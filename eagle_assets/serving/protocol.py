@@ -30,6 +30,13 @@ Sources (sgl-project/sglang):
   among the echoed ids, the cap, or the reply's shape through an injected ``WellFormed`` check, since this layer
   knows no model family).
 
+Every reply is judged, never trusted to be well-behaved: a body that is not JSON, nests deeper than the parsers
+recurse (``[[[[...]]]]`` 100k deep), or holds values whose text cannot be shown (ints past Python's 4,300-digit
+limit) is one ``ReplyError`` (``bad_json`` for the body, the field's kind for a value), never an exception that fails
+the partition. Values quoted in an error are cut by :func:`clip_text` / :func:`show_value`, which end every cut with
+``CUT_MARK``: the client redacts its API key after these cuts, and removes a key prefix left before that mark
+(``GenerateClient.redact``).
+
 The rules a stored row must also pass (ids in the vocab, the counts, the prompt echo, the cap, the matched stop id)
 are implemented once here (``reply_defect``, ``stop_mismatch``) and applied by ``parse_generate_reply`` to every
 reply and by ``structure.segment.segment_output`` to every row of a generations shard, whoever wrote it.
@@ -83,6 +90,38 @@ _IGNORABLE_AT_DEFAULT: dict[str, tuple[Any, ...]] = {
     "no_stop_trim": (False, None),
     "spaces_between_special_tokens": (True, None),
 }
+
+
+# What ends a text cut short by ``clip_text``. The client's ``redact`` removes a prefix of its API key found right
+# before it: a reply quoting the key may be cut inside it here, where the key is unknown.
+CUT_MARK = "..."
+
+
+def clip_text(text: str, limit: int) -> str:
+    """``text`` unchanged when it has at most ``limit`` characters, else its first ``limit`` characters and
+    ``CUT_MARK`` (so a reader, and ``GenerateClient.redact``, can tell the cut)."""
+    return text if len(text) <= limit else text[:limit] + CUT_MARK
+
+
+def show_value(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` cut by :func:`clip_text` to ``limit`` characters; never raises.
+
+    A reply's values are shown in error messages, and ``repr`` itself fails on some of them: a list nested deeper
+    than the interpreter's recursion limit (orjson accepts 1,024 levels, ``repr`` stops near 1,000) raises
+    ``RecursionError``, an int past 4,300 digits ``ValueError``. Those are described instead of shown.
+    """
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"<a {type(value).__name__} nested too deeply to show>"
+    except ValueError:
+        return f"<a {type(value).__name__} too large to show>"
+    return clip_text(text, limit)
+
+
+def _shown_text(value: Any, limit: int) -> str:
+    """A reply's text field as ``str()`` would show it (no quotes for a string), cut; never raises."""
+    return clip_text(value, limit) if isinstance(value, str) else show_value(value, limit)
 
 
 def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -273,27 +312,30 @@ class FinishReason:
         if not isinstance(obj, dict):
             raise ReplyError(
                 "unknown_finish_reason",
-                f"meta_info.finish_reason must be an object with a 'type', got {obj!r} "
+                f"meta_info.finish_reason must be an object with a 'type', got {show_value(obj)} "
                 "(None means the request had not finished: a streaming chunk, or a server bug)",
             )
         ftype = obj.get("type")
         if ftype not in FINISH_TYPES:
-            raise ReplyError("unknown_finish_reason", f"finish_reason.type {ftype!r} is not one of {FINISH_TYPES}")
+            raise ReplyError("unknown_finish_reason",
+                             f"finish_reason.type {show_value(ftype)} is not one of {FINISH_TYPES}")
         matched = obj.get("matched")
         if isinstance(matched, list) and len(matched) == 1:
             matched = matched[0]
         if matched is not None and (isinstance(matched, bool) or not isinstance(matched, (int, str))):
-            raise ReplyError("unknown_finish_reason", f"finish_reason.matched must be an int or str, got {matched!r}")
+            raise ReplyError("unknown_finish_reason",
+                             f"finish_reason.matched must be an int or str, got {show_value(matched)}")
         length = obj.get("length")
         if length is not None and (isinstance(length, bool) or not isinstance(length, int)):
-            raise ReplyError("unknown_finish_reason", f"finish_reason.length must be an int, got {length!r}")
+            raise ReplyError("unknown_finish_reason", f"finish_reason.length must be an int, got {show_value(length)}")
         status = obj.get("status_code")
         message = obj.get("message")
         return cls(
             type=ftype,
             matched=matched,
             length=length,
-            message=None if message is None else str(message),
+            # str() of a deeply nested value raises RecursionError: a non-string message is shown, cut
+            message=None if message is None else message if isinstance(message, str) else show_value(message, 500),
             status_code=status if isinstance(status, int) and not isinstance(status, bool) else None,
             err_type=obj.get("err_type") if isinstance(obj.get("err_type"), str) else None,
         )
@@ -362,7 +404,7 @@ class GenerateRequest:
         """One single-item body (``input_ids`` a flat list). Raises ``ValueError`` naming the field that is wrong."""
         ids = obj.get("input_ids")
         if not isinstance(ids, list) or not ids or not set(map(type, ids)) <= _INT_ONLY:
-            raise ValueError(f"input_ids must be a non-empty list of ints, got {str(ids)[:80]}")
+            raise ValueError(f"input_ids must be a non-empty list of ints, got {show_value(ids, 80)}")
         rid = obj.get("rid")
         return cls(input_ids=ids, rid=None if rid is None else str(rid),
                    sampling_params=SamplingParams.from_json(obj.get("sampling_params"),
@@ -421,7 +463,8 @@ class GenerateFailure:
         rid: the caller's request id.
         kind: ``ReplyError.kind`` of the last attempt, or a transport kind: ``connection``, ``timeout``,
             ``http_429``, ``http_5xx``, ``bad_request`` (HTTP 400/422), ``unauthorized`` (401/403), ``not_found``,
-            ``http_<code>``, or ``bad_input`` (rejected by the client before sending).
+            ``http_<code>``, ``reply_too_large`` (a body over the client's size cap, refused unread or read only up to
+            the cap), or ``bad_input`` (rejected by the client before sending).
         attempts: HTTP attempts made (0 for ``bad_input``).
         last_error: the last error message (never contains the API key).
         errors: kind of every failed attempt, in order.
@@ -439,7 +482,7 @@ def _int_field(meta: dict, name: str) -> int:
     if value is None:
         raise ReplyError("missing_field", f"meta_info.{name} is missing")
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ReplyError("bad_type", f"meta_info.{name} must be an int >= 0, got {value!r}")
+        raise ReplyError("bad_type", f"meta_info.{name} must be an int >= 0, got {show_value(value)}")
     return value
 
 
@@ -547,8 +590,8 @@ def reply_defect(
     if pos is not None:
         return Defect(
             "id_out_of_vocab",
-            f"output_ids[{pos}] = {output_ids[pos]} is outside the target vocab [0, {vocab_size}); the server "
-            "serves a different model or tokenizer than the one the prompts were rendered with",
+            f"output_ids[{pos}] = {show_value(output_ids[pos], 40)} is outside the target vocab [0, {vocab_size}); "
+            "the server serves a different model or tokenizer than the one the prompts were rendered with",
         )
     n_out = len(output_ids)
     echo = prompt_echo_length(output_ids, prompt_ids, completion_tokens=completion_tokens, cap=max_new_tokens,
@@ -562,15 +605,15 @@ def reply_defect(
         return Defect(
             "prompt_echo",
             f"output_ids start with the last {echo} prompt ids {list(output_ids[:echo])} ({n_out} ids, "
-            f"completion_tokens={completion_tokens}: the echo is {counted} it{shape}); this SGLang version returns the "
-            "incremental-detokenization prompt tail in output_ids: upgrade SGLang (the rows would otherwise "
-            "duplicate prompt tokens)",
+            f"completion_tokens={show_value(completion_tokens, 40)}: the echo is {counted} it{shape}); this SGLang "
+            "version returns the incremental-detokenization prompt tail in output_ids: upgrade SGLang (the rows "
+            "would otherwise duplicate prompt tokens)",
         )
     if completion_tokens is not None and n_out != completion_tokens:
         return Defect(
             "length_mismatch",
-            f"len(output_ids)={n_out} but meta_info.completion_tokens={completion_tokens}; refusing a reply whose "
-            "ids and token count disagree",
+            f"len(output_ids)={n_out} but meta_info.completion_tokens={show_value(completion_tokens, 40)}; refusing a "
+            "reply whose ids and token count disagree",
         )
     if max_new_tokens is not None and n_out > max_new_tokens:
         return Defect("too_long", f"{n_out} completion tokens exceed max_new_tokens={max_new_tokens}")
@@ -616,23 +659,51 @@ def parse_generate_reply(
         the reply, with ``len(output_ids) == completion_tokens`` guaranteed.
     Raises:
         ReplyError: kinds listed on ``ReplyError``; ``reply_defect`` decides ``id_out_of_vocab``, ``prompt_echo``,
-            ``length_mismatch`` and ``too_long``, ``stop_mismatch`` decides ``stop_mismatch``.
+            ``length_mismatch`` and ``too_long``, ``stop_mismatch`` decides ``stop_mismatch``. Nothing else escapes
+            for any body: one nested past the parsers' depth is ``bad_json``, values that cannot be shown are
+            described (``show_value``).
     """
+    try:
+        return _parse_generate_reply(reply, prompt_ids, vocab_size, max_new_tokens=max_new_tokens, rid=rid,
+                                     control_ids=control_ids, well_formed=well_formed)
+    except RecursionError:
+        # the last guard: a check reached a value nested deeper than the interpreter recurses; the reply is one
+        # failure, not an exception that ends the partition
+        raise ReplyError("bad_json", "reply nests arrays or objects deeper than any /generate reply") from None
+
+
+def _parse_generate_reply(
+    reply: bytes | str | dict,
+    prompt_ids: Sequence[int] | None = None,
+    vocab_size: int | None = None,
+    *,
+    max_new_tokens: int | None = None,
+    rid: str | None = None,
+    control_ids: Collection[int] | None = None,
+    well_formed: WellFormed | None = None,
+) -> GenerateReply:
+    """``parse_generate_reply`` without its last guard against ``RecursionError``."""
     if isinstance(reply, (bytes, bytearray, str)):
         try:
             # orjson: ~10x faster than json on a reply of ~1,000 ids (the client's largest cost per request)
             reply = orjson.loads(reply)
-        except orjson.JSONDecodeError:
+        except orjson.JSONDecodeError as first:
             # what orjson refuses and json reads (NaN, ints past 64 bits, lone surrogates) keeps json's outcome
             try:
                 reply = json.loads(reply)
             except (ValueError, UnicodeDecodeError) as exc:
                 size = len(reply)
                 raise ReplyError("bad_json", f"reply body ({size} bytes) is not valid JSON: {exc}") from None
+            except RecursionError:
+                # orjson stops at 1,024 levels; json recurses once per level and hits the interpreter's limit. No
+                # SGLang reply nests more than a few levels: this is a broken or hostile server, one failure
+                size = len(reply)
+                raise ReplyError("bad_json", f"reply body ({size} bytes) nests arrays or objects deeper than any "
+                                             f"/generate reply ({first})") from None
     if not isinstance(reply, dict):
         raise ReplyError("not_object", f"expected one reply object, got {type(reply).__name__}")
     if "error" in reply and "output_ids" not in reply:
-        raise ReplyError("server_error", f"server answered with an error object: {str(reply['error'])[:500]}")
+        raise ReplyError("server_error", f"server answered with an error object: {_shown_text(reply['error'], 500)}")
     meta = reply.get("meta_info")
     if not isinstance(meta, dict):
         raise ReplyError("missing_field", "reply has no meta_info object")
@@ -641,7 +712,7 @@ def parse_generate_reply(
         refused = finish.status_code is not None and 400 <= finish.status_code < 500
         raise ReplyError(
             "abort",
-            f"server aborted the request (status_code={finish.status_code}): {finish.message}",
+            f"server aborted the request (status_code={finish.status_code}): {_shown_text(finish.message, 500)}",
             retryable=not refused,
         )
     output_ids = reply.get("output_ids")
@@ -653,7 +724,7 @@ def parse_generate_reply(
         )
     if type(output_ids) is not list or not set(map(type, output_ids)) <= _INT_ONLY:
         bad = output_ids if type(output_ids) is not list else next(t for t in output_ids if type(t) is not int)
-        raise ReplyError("bad_type", f"output_ids must be a list of ints, found {bad!r}")
+        raise ReplyError("bad_type", f"output_ids must be a list of ints, found {show_value(bad)}")
     completion = _int_field(meta, "completion_tokens")
     prompt_tokens = _int_field(meta, "prompt_tokens")
     shape = None
@@ -671,8 +742,11 @@ def parse_generate_reply(
             "belongs to another request or the server re-tokenized the prompt",
         )
     server_rid = meta.get("id")
+    if server_rid is not None and (isinstance(server_rid, bool) or not isinstance(server_rid, (str, int))):
+        # SGLang's id is the rid string; str() of a nested value could not even be taken (RecursionError)
+        raise ReplyError("bad_type", f"meta_info.id must be a string, got {show_value(server_rid)}")
     if rid is not None and server_rid is not None and str(server_rid) != rid:
-        raise ReplyError("rid_mismatch", f"meta_info.id={server_rid!r} but the request's rid was {rid!r}")
+        raise ReplyError("rid_mismatch", f"meta_info.id={show_value(server_rid)} but the request's rid was {rid!r}")
     if finish.type == "stop":
         if finish.matched == SGLANG_NAN_MATCHED:
             raise ReplyError(
@@ -684,7 +758,8 @@ def parse_generate_reply(
             last = output_ids[-1] if output_ids else None
             raise ReplyError(
                 "stop_mismatch",
-                f"finish_reason matched stop id {finish.matched} but the last output id is {last}; SGLang keeps "
+                f"finish_reason matched stop id {show_value(finish.matched, 40)} but the last output id is "
+                f"{show_value(last, 40)}; SGLang keeps "
                 "the matched id in output_ids, so the ids were trimmed or belong to another request",
             )
     latency = meta.get("e2e_latency")

@@ -28,6 +28,9 @@ Sizes (why this is built for bounded memory): a reply carries ``T * W`` floats a
 (about 11 for bfloat16 values, 19-21 for float32/float64 ones), against 2 bytes per value in a bfloat16 shard. Rows
 are fetched ``concurrency`` per server at a time, parsed with orjson straight into float32 arrays, and written shard
 by shard (:mod:`eagle_assets.drafter.features.shard_format`); docs/served_features.md has the worked Kimi-K2.5 numbers.
+Each reply is read up to :meth:`ServedFeatureSource.reply_cap` bytes, derived from what the request asks for (the
+longest row of a batch x its capture width x the longest JSON text of one value, plus the logprobs), so a server or
+proxy that sends more is one ``reply_too_large`` refusal, not a process that runs out of memory.
 
 Transport: the serving client (:meth:`eagle_assets.serving.client.GenerateClient.post_many`) sends the requests, so
 HTTP, retries, backoff, server choice and API-key redaction have one implementation: connection errors, timeouts,
@@ -65,10 +68,27 @@ from eagle_assets.serving.aux_capture import (
     text_config,
 )
 from eagle_assets.serving.client import GenerateClient, normalize_url, run_sync
-from eagle_assets.serving.protocol import GenerateFailure, GenerateRequest, ReplyError, SamplingParams
+from eagle_assets.serving.protocol import (
+    GenerateFailure,
+    GenerateRequest,
+    ReplyError,
+    SamplingParams,
+    clip_text,
+    show_value,
+)
 from eagle_assets.target_model.config import ModelConfigError, read_json_config
 
 Row = Any  # (input_ids, loss_mask) pair, or an object with .ids and .mask (local_cache.PreparedRow)
+
+# The reply size cap (ServedFeatureSource.reply_cap). A value of hidden_states arrives as JSON text of a float64
+# (SGLang's tensor.tolist() then orjson): at most 24 characters, "-2.2250738585072014e-308", plus its separator. A
+# logprob entry [logprob, token id, text] without text (return_text_in_logprobs is not asked): a float, an id of up
+# to 20 digits, null and punctuation, under 64 bytes. Per token a margin for the row's brackets, output ids and
+# text; per reply one for meta_info's other fields.
+JSON_FLOAT_MAX_BYTES = 25
+LOGPROB_ENTRY_MAX_BYTES = 64
+REPLY_TOKEN_MARGIN_BYTES = 512
+REPLY_BASE_BYTES = 1 << 20
 
 
 class ServedFeaturesError(RuntimeError):
@@ -258,6 +278,23 @@ class ServedFeatureSource:
         raise ServedFeaturesError(f"cannot reach {url}: {self.client.redact(str(last))}")
 
     # ----------------------------------------------------------------------------------------- one request
+    def reply_cap(self, row_tokens: int) -> int:
+        """The most bytes a reply to one request for a row of ``row_tokens`` tokens may have (the client refuses a
+        larger one as ``reply_too_large``).
+
+        ``REPLY_BASE_BYTES + T * (W * JSON_FLOAT_MAX_BYTES + (K + 1) * LOGPROB_ENTRY_MAX_BYTES +
+        REPLY_TOKEN_MARGIN_BYTES)`` with ``T`` = ``row_tokens``, ``W`` = capture layers x hidden size (the values of
+        one token's hidden-state row), ``K`` = the top logprobs asked for per position (``input_top_logprobs``)
+        plus one ``input_token_logprobs`` entry. The largest JSON text of each part bounds it (constants above), so
+        a genuine reply never reaches it. Measured on the embedded server (8-layer demo target, W = 384, float32
+        values at 19.4-19.5 bytes each): replies of 16 / 64 / 256 tokens are 127 kB / 508 kB / 2.03 MB (hard
+        teacher; 2.57 MB with K = 64), their caps 9.6x / 3.4x / 1.8x that; for long rows it tends to 25 / 19.5.
+        """
+        k = self.settings.top_k if self.settings.teacher == "topk" else 1
+        per_token = (self.spec.width * JSON_FLOAT_MAX_BYTES + (k + 1) * LOGPROB_ENTRY_MAX_BYTES
+                     + REPLY_TOKEN_MARGIN_BYTES)
+        return REPLY_BASE_BYTES + max(1, int(row_tokens)) * per_token
+
     def request_body(self, input_ids: np.ndarray, rid: str) -> bytes:
         """The ``/generate`` body for one row (see the module docstring)."""
         k = self.settings.top_k if self.settings.teacher == "topk" else 1
@@ -286,6 +323,10 @@ class ServedFeatureSource:
             return self.parse_features_reply(rid, ids, mask, raw)
         except ReplyRefused as r:
             raise ReplyError(r.reason, r.detail) from None
+        except RecursionError:
+            # the last guard: a value nested deeper than the interpreter recurses is one refused row, not an
+            # exception that stops the whole source
+            raise ReplyError("bad_json", "reply nests arrays or objects deeper than any /generate reply") from None
 
     def _outcome(self, rid: str, got: RowFeatures | GenerateFailure) -> RowFeatures | RefusedRow:
         """A row's features, or its refusal; a failure no other row could escape raises ServedFeaturesError."""
@@ -307,7 +348,8 @@ class ServedFeatureSource:
         """Check a ``/generate`` reply and turn it into :class:`RowFeatures`.
 
         Raises:
-            ReplyRefused: the row's reply is unusable (abort, short block, non-finite, malformed logprobs).
+            ReplyRefused: the row's reply is unusable (abort, short block, non-finite, malformed logprobs, not JSON,
+                values of the wrong type or range); nothing else escapes for any body.
             ServedFeaturesError: a reply no row could pass (no hidden states, wrong width).
         """
         import orjson
@@ -323,7 +365,9 @@ class ServedFeatureSource:
             raise ReplyRefused("bad_reply", "reply has no meta_info object")
         finish = meta.get("finish_reason") or {}
         if isinstance(finish, dict) and finish.get("type") == "abort":
-            raise ReplyRefused("abort", str(finish.get("message", finish))[:300])
+            message = finish.get("message", finish)
+            raise ReplyRefused("abort", clip_text(message, 300) if isinstance(message, str)
+                               else show_value(message, 300))
         t = int(input_ids.size)
         if t < 2:
             raise ReplyRefused("too_short", f"a {t}-token row has no position to teach")
@@ -333,6 +377,8 @@ class ServedFeatureSource:
                 "the reply has no meta_info.hidden_states: the server ignores return_hidden_states (not SGLang's "
                 "/generate, or a proxy dropped the field)"
             )
+        if not isinstance(hs, list):
+            raise ReplyRefused("bad_hidden_states", f"meta_info.hidden_states is not a list: {show_value(hs, 80)}")
         if not hs:
             raise ServedFeaturesError(
                 "meta_info.hidden_states is empty: SGLang returns [] for max_new_tokens 0 (finished_len 0); this "
@@ -340,7 +386,7 @@ class ServedFeatureSource:
             )
         try:
             block = np.asarray(hs[0], dtype=np.float32)  # JSON null (a non-finite value) becomes NaN
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ReplyRefused("bad_hidden_states", "meta_info.hidden_states[0] is not a [T][W] block") from None
         if block.ndim != 2:
             raise ReplyRefused("bad_hidden_states", f"meta_info.hidden_states[0] has shape {block.shape}, not [T, W]")
@@ -366,13 +412,15 @@ class ServedFeatureSource:
                                            f"entries for {t} tokens (logprob_start_len 0 ignored?)")
         k = self.spec.top_k
         out_ids = reply.get("output_ids")
-        if not isinstance(out_ids, list) or len(out_ids) != 1 or type(out_ids[0]) is not int:
-            raise ReplyRefused("bad_reply", f"output_ids {str(out_ids)[:80]} is not the one greedy token asked for")
+        if (not isinstance(out_ids, list) or len(out_ids) != 1 or type(out_ids[0]) is not int
+                or not 0 <= out_ids[0] < self.vocab_size):
+            raise ReplyRefused("bad_reply", f"output_ids {show_value(out_ids, 80)} is not the one greedy token of the "
+                                            f"target vocab [0, {self.vocab_size}) asked for")
         try:
             # every position's top-K (entry p + 1 predicts token p + 1): the teacher and the greedy ids
             lp_all = np.array([[e[0] for e in entry[:k]] for entry in top[1:]], dtype=np.float32).reshape(t - 1, -1)
             ids_all = np.array([[e[1] for e in entry[:k]] for entry in top[1:]], dtype=np.int64).reshape(t - 1, -1)
-        except (TypeError, IndexError, ValueError):
+        except (TypeError, LookupError, ValueError, OverflowError):  # a dict entry, an id past int64, ...
             raise ReplyRefused("bad_logprobs",
                            "input_top_logprobs entries are not [[logprob, token_id, text], ..]") from None
         if (lp_all.shape[1] != k or np.isnan(lp_all).any() or (ids_all < 0).any()
@@ -425,7 +473,9 @@ class ServedFeatureSource:
             raise ValueError("served features need unique row ids within one fetch")
         bodies = [(str(rid), self.request_body(ids, str(rid))) for rid, ids, _ in chunk]
         try:
-            got = self.client.post_all(bodies, lambda rid, raw: self._parse(rows, rid, raw))
+            # one cap for the batch, from its longest row: the bound on memory is concurrency x that cap
+            cap = self.reply_cap(max(int(ids.size) for _, ids, _ in chunk))
+            got = self.client.post_all(bodies, lambda rid, raw: self._parse(rows, rid, raw), max_reply_bytes=cap)
         finally:
             stats = self.client.last_stats
             if stats is not None:
