@@ -178,7 +178,9 @@ def test_reexport_replaces_the_shard_directory_whole(exported):
     assert result.success
     out = store / "speculators_export"
     assert [p.name for p in (out / "data").iterdir()] == ["shard-00000.jsonl"]  # the 4-row shards are gone
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no staging left behind
+    # no staging left behind; the one dotfile is the export's lock (storage.guard.stage_lock), an empty file
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [".speculators_export.lock"]
+    assert (out / ".speculators_export.lock").stat().st_size == 0
     assert _read_jsonl([out / "data" / "shard-00000.jsonl"]) == _expected(exported)
 
 

@@ -4,6 +4,7 @@ per suite (``drafter.suite_eval``), reported in the UI and under ``<storage root
 import dagster as dg
 
 from eagle_assets.assets.inputs import AFTER_OBSERVATIONS
+from eagle_assets.assets.locking import stage_writer
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.training import torch_threads
 from eagle_assets.catalog import Catalog
@@ -34,16 +35,17 @@ def evaluation(context: dg.AssetExecutionContext, settings: dg.ResourceParam[Pip
     if not (checkpoint / "config.json").exists():
         raise dg.Failure(description=f"no drafter checkpoint in {checkpoint}: materialize drafter_checkpoint "
                                      "(training_job) first")
-    keys, vocab, _ = stored_draft_vocab(layout)
-    target_model = AutoModelForCausalLM.from_pretrained(target.resolve(), dtype="float32").eval()
-    drafter, _ = load_drafter(checkpoint, target_model)
-    with torch_threads(t.threads):
-        report = evaluate_suites(catalog, layout, target_model, drafter, vocab, keys, context.log.info)
-    for suite, why in report.missing.items():
-        context.log.warning(f"suite {suite} not measured: {why}")
-    ks = catalog.evaluation.ks(t.acceptance_k)
-    out = layout.stage_dir("evaluation")
-    md, png = write_report(report, out, ks)
+    # one writer of the report's folder at a time, taken first: a second run is refused before it measures
+    with stage_writer(layout, "evaluation") as out:
+        keys, vocab, _ = stored_draft_vocab(layout)
+        target_model = AutoModelForCausalLM.from_pretrained(target.resolve(), dtype="float32").eval()
+        drafter, _ = load_drafter(checkpoint, target_model)
+        with torch_threads(t.threads):
+            report = evaluate_suites(catalog, layout, target_model, drafter, vocab, keys, context.log.info)
+        for suite, why in report.missing.items():
+            context.log.warning(f"suite {suite} not measured: {why}")
+        ks = catalog.evaluation.ks(t.acceptance_k)
+        md, png = write_report(report, out, ks)
     context.log.info(f"evaluation: {len(report.records)} records in {report.seconds:.1f}s, written to {out}")
     yield dg.MaterializeResult(metadata={
         "report": dg.MetadataValue.md(md),

@@ -8,6 +8,7 @@ import json
 
 import dagster as dg
 
+from eagle_assets.assets.locking import stage_writer
 from eagle_assets.assets.resources import PipelineSettings
 from eagle_assets.exports.formats import FORMATS, SPECFORGE, SPECULATORS, TrainerFormat
 from eagle_assets.exports.pretokenized import DEFAULT_ROWS_PER_SHARD
@@ -65,11 +66,12 @@ def _export_asset(fmt: TrainerFormat) -> dg.AssetsDefinition:
         provenance = {"catalog": str(settings.catalog_path), "target_model": str(catalog.target.model),
                       "partitions": keys, "mix_mode": mix_summary.get("mode")}
         try:
-            report = export_mixed_rows(
-                mix_dir / "mix.parquet",
-                {k: dataset_shard_paths(settings.layout(), settings.catalog(), k) for k in keys},
-                layout.stage_dir(f"{fmt.name}_export"), fmt, rows_per_shard=config.rows_per_shard,
-                provenance=provenance)
+            # one writer of the export's folder at a time (a second run would delete the first one's staging)
+            with stage_writer(layout, f"{fmt.name}_export") as out:
+                report = export_mixed_rows(
+                    mix_dir / "mix.parquet",
+                    {k: dataset_shard_paths(settings.layout(), settings.catalog(), k) for k in keys},
+                    out, fmt, rows_per_shard=config.rows_per_shard, provenance=provenance)
         except (ExportError, ValueError) as exc:
             raise dg.Failure(description=f"{fmt.name}_export: {exc}") from exc
         if report.rejected:

@@ -18,6 +18,7 @@ from typing import Any
 import dagster as dg
 import pyarrow.parquet as pq
 
+from eagle_assets.assets.locking import refusals_as_failures
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.server_resource import SGLangServerResource
 from eagle_assets.catalog.load import cleartext_key_urls
@@ -30,6 +31,7 @@ from eagle_assets.generations.staging import (
     settle,
 )
 from eagle_assets.lineage.versions import directory_content_version, generation_fingerprint
+from eagle_assets.storage.guard import StorageRefused
 from eagle_assets.storage.shards import read_done_ids
 from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
 
@@ -166,7 +168,8 @@ def generations(context: dg.AssetExecutionContext, config: GenerationRunConfig,
     """Raw output_ids + finish_reason from SGLang's native /generate; append-only shards, failures recorded."""
     key = context.partition_key
     catalog = settings.catalog()
-    out = settings.layout().stage_dir("generations", key)
+    with refusals_as_failures():  # a partition folder that is a symbolic link: refused, nothing deleted
+        out = settings.layout().stage_dir("generations", key)
     # Shards of other sampling / render settings, tokenizer or weights are generated again, not resumed from.
     fingerprint = generation_fingerprint(catalog, key)
     changed = generation_inputs_changed(out, fingerprint)
@@ -187,13 +190,15 @@ def generations(context: dg.AssetExecutionContext, config: GenerationRunConfig,
         done = body(run)
     except PartitionBusyError as exc:
         raise dg.Failure(description=f"{exc}. {busy}", allow_retries=False) from exc
+    except StorageRefused as exc:  # a symbolically linked folder or lock file: refused before anything was deleted
+        raise dg.Failure(description=str(exc), allow_retries=False) from exc
     record_generation_inputs(work.path, fingerprint)
     stats = done.stats
     if stats.failed:
         context.log.warning(f"{stats.failed} requests failed after retries; see {work.path / FAILURES_FILE}")
     try:
         promoted = settle(out, work.path, requested=done.requested, succeeded=stats.succeeded)
-    except NothingGenerated as exc:
+    except (NothingGenerated, StorageRefused) as exc:  # promoting the staged rows: busy or linked folders too
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
     if promoted:
         context.log.info(promoted)

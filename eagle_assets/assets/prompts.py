@@ -8,6 +8,7 @@ import dagster as dg
 
 from eagle_assets.assets.dataset_runs import materialization_tags
 from eagle_assets.assets.inputs import AFTER_OBSERVATIONS
+from eagle_assets.assets.locking import stage_writer
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.lineage.versions import directory_content_version
 from eagle_assets.raw_prompts.dataset_parse import dataset_chunk_rows
@@ -60,7 +61,17 @@ class _PartitionDone:
 
 
 def _raw_prompts_partition(context: dg.AssetExecutionContext, settings: PipelineSettings, key: str) -> _PartitionDone:
-    """``raw_prompts`` of partition ``key``: its files written, what its materialization and check record."""
+    """``raw_prompts`` of partition ``key``: its files written, what its materialization and check record; written
+    while holding the partition folder's lock (``assets.locking.stage_writer``).
+
+    Raises:
+        dg.Failure: another run writes the partition, or its folder (or the lock file) is a symbolic link.
+    """
+    with stage_writer(settings.layout(), "raw_prompts", key):  # the whole write and its data version
+        return _write_raw_partition(context, settings, key)
+
+
+def _write_raw_partition(context: dg.AssetExecutionContext, settings: PipelineSettings, key: str) -> _PartitionDone:
     spec = settings.catalog().partition(key)
     out = settings.layout().stage_dir("raw_prompts", key)
     sources = spec.resolved_sources()
@@ -185,15 +196,17 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
         spec = catalog.partition(key)
         layout = settings.layout()
         setup = target.setup(catalog.target.profile)
-        out = layout.stage_dir("tokenized_prompts", key)
-        # record batches in, one row group per batch out (tokenized_prompts.write): memory does not grow with the
-        # partition
-        result = tokenize_partition(layout.stage_dir("raw_prompts", key) / "prompts.parquet", out, setup.tokenizer,
-                                    setup.profile, enable_thinking=_first_mode(spec),
-                                    max_prompt_tokens=spec.max_prompt_tokens,
-                                    first_turn=spec.prompt_policy == "all_turns")
+        # one writer of the partition's folder at a time, for the whole write and its data version
+        with stage_writer(layout, "tokenized_prompts", key) as out:
+            # record batches in, one row group per batch out (tokenized_prompts.write): memory does not grow with
+            # the partition
+            result = tokenize_partition(layout.stage_dir("raw_prompts", key) / "prompts.parquet", out,
+                                        setup.tokenizer, setup.profile, enable_thinking=_first_mode(spec),
+                                        max_prompt_tokens=spec.max_prompt_tokens,
+                                        first_turn=spec.prompt_policy == "all_turns")
+            version = directory_content_version(out, ("prompts.parquet", "rejects.parquet"))
         return dg.MaterializeResult(
-            data_version=dg.DataVersion(directory_content_version(out, ("prompts.parquet", "rejects.parquet"))),
+            data_version=dg.DataVersion(version),
             metadata={
                 "dagster/row_count": result.rows,
                 "rejected": result.rejected,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import dagster as dg
 
+from eagle_assets.assets.locking import stage_writer
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.catalog import Thresholds
 from eagle_assets.lineage.versions import directory_content_version
@@ -23,6 +24,9 @@ from eagle_assets.qc.stage import dataset_qc_stage, length_report_stage, qc_part
 from eagle_assets.qc.status import QC_STATUS_FILE
 from eagle_assets.qc.thresholds import Outcome, reason_levels
 from eagle_assets.structure.segment import DROP_REASONS
+
+# How long length_report waits for another run's length_report to finish writing (it takes seconds) before failing
+LENGTH_REPORT_WAIT_S = 300.0
 
 
 def _severity(outcome: Outcome) -> dg.AssetCheckSeverity:
@@ -75,10 +79,12 @@ def qc_shards(context: dg.AssetExecutionContext, settings: dg.ResourceParam[Pipe
     key = context.partition_key
     catalog = settings.catalog()
     setup = target.setup(catalog.target.profile)
-    r = qc_partition_stage(settings.layout(), catalog, key, setup)
+    with stage_writer(settings.layout(), "qc_shards", key):  # one writer: the whole write and its data version
+        r = qc_partition_stage(settings.layout(), catalog, key, setup)
+        version = directory_content_version(r.out, ("*.parquet", QC_STATUS_FILE))
     histogram = dg.MetadataValue.md(png_markdown(r.png, f"{key} lengths"))
     yield dg.MaterializeResult(
-        data_version=dg.DataVersion(directory_content_version(r.out, ("*.parquet", QC_STATUS_FILE))),
+        data_version=dg.DataVersion(version),
         metadata={
             "dagster/row_count": r.summary.kept,
             "generated": r.summary.rows,
@@ -110,7 +116,10 @@ def length_report(context: dg.AssetExecutionContext,
     dataset's line is over the rows of all its chunks materialized so far."""
     from eagle_assets.figures.plots import png_markdown
 
-    r = length_report_stage(settings.layout(), settings.catalog())
+    # one writer of the report's folder at a time; every partition_job run ends with this step, so runs of other
+    # partitions that finish together wait for each other (each rewrites the whole report) instead of failing
+    with stage_writer(settings.layout(), "length_report", wait_s=LENGTH_REPORT_WAIT_S):
+        r = length_report_stage(settings.layout(), settings.catalog())
     if r.missing:
         context.log.info(f"partitions without QC rows yet: {r.missing}")
     return dg.MaterializeResult(metadata={
@@ -132,14 +141,16 @@ def dataset_qc(context: dg.AssetExecutionContext, settings: dg.ResourceParam[Pip
     and shards of each chunk, and ``qc_status.json``."""
     dataset = context.partition_key
     spec = settings.catalog().partitions[dataset]
-    r = dataset_qc_stage(settings.layout(), settings.catalog(), dataset)
+    with stage_writer(settings.layout(), "dataset_qc", dataset):  # one writer: the write and its data version
+        r = dataset_qc_stage(settings.layout(), settings.catalog(), dataset)
+        version = None if r.missing else directory_content_version(r.out, (QC_STATUS_FILE,))
     if r.missing:
         raise dg.Failure(description=f"dataset {dataset}: chunks {r.missing} have no QC rows yet; materialize them "
                                      "(partition_job on each) before dataset_qc", allow_retries=False)
     checks, thresholds = r.checks, spec.thresholds
     reasons = dg.MetadataValue.json({reason: checks.reasons.get(reason, 0) for reason in DROP_REASONS})
     yield dg.MaterializeResult(
-        data_version=dg.DataVersion(directory_content_version(r.out, (QC_STATUS_FILE,))),
+        data_version=dg.DataVersion(version),
         metadata={
             "dagster/row_count": checks.kept,
             "generated": checks.rows,

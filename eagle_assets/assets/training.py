@@ -13,13 +13,15 @@ import numpy as np
 
 from eagle_assets.assets.acceptance import acceptance_check
 from eagle_assets.assets.inputs import AFTER_OBSERVATIONS
+from eagle_assets.assets.locking import stage_writer
 from eagle_assets.assets.provenance import write_provenance
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.server_resource import SGLangServerResource
 from eagle_assets.drafter.splits import MixError, load_split_rows, mixed_training_rows
 from eagle_assets.drafter.stage import draft_vocab_stage, stored_draft_vocab, training_mix_stage
 from eagle_assets.qc.status import passing_datasets
-from eagle_assets.storage.shards import write_json_atomic
+from eagle_assets.storage.guard import refuse_symlink
+from eagle_assets.storage.shards import write_bytes_atomic, write_json_atomic
 from eagle_assets.target_model.config import config_vocab_size
 
 
@@ -38,9 +40,11 @@ def _passing(context: dg.AssetExecutionContext, settings: PipelineSettings) -> t
 def draft_vocab(context: dg.AssetExecutionContext, settings: dg.ResourceParam[PipelineSettings],
                 target: dg.ResourceParam[TargetModel]) -> dg.MaterializeResult:
     """Draft vocab (d2t, t2d) from token counts over loss-masked completion tokens of every passing partition."""
-    keys, excluded = _passing(context, settings)
-    vocab_size = config_vocab_size(target.resolve())
-    r = draft_vocab_stage(settings.layout(), settings.catalog(), keys, excluded, vocab_size)
+    # one writer of the vocab's folder at a time, taken first: a second run is refused before it counts
+    with stage_writer(settings.layout(), "draft_vocab"):
+        keys, excluded = _passing(context, settings)
+        vocab_size = config_vocab_size(target.resolve())
+        r = draft_vocab_stage(settings.layout(), settings.catalog(), keys, excluded, vocab_size)
     return dg.MaterializeResult(metadata={
         "draft_vocab_size": int(r.vocab.d2t.shape[0]),
         "target_vocab_size": vocab_size,
@@ -59,8 +63,9 @@ def training_mix(context: dg.AssetExecutionContext,
     from eagle_assets.drafter.mix import mix_table_markdown
     from eagle_assets.figures.plots import png_markdown
 
-    keys, excluded = _passing(context, settings)
-    r = training_mix_stage(settings.layout(), settings.catalog(), keys, excluded)
+    with stage_writer(settings.layout(), "training_mix"):  # one writer of the mix's folder at a time, taken first
+        keys, excluded = _passing(context, settings)
+        r = training_mix_stage(settings.layout(), settings.catalog(), keys, excluded)
     mix, spec = r.result, settings.catalog().training.mix
     for note in mix.notes:
         context.log.warning(f"training mix: {note}")
@@ -170,7 +175,10 @@ def _export_check(checkpoint) -> dg.AssetCheckResult:
 def train_and_evaluate(context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel,
                        sglang: SGLangServerResource, full_asset_graph: Callable[[], Any] | None = None):
     """The body of ``drafter_checkpoint``: train on the training mix, export, check the export, simulate
-    acceptance on the held-out rows and the unseen source (see :func:`build_training_assets`)."""
+    acceptance on the held-out rows and the unseen source (see :func:`build_training_assets`).
+
+    Raises ``SymlinkRefusedError`` when a folder it writes under ``drafter_checkpoint/`` is a symbolic link
+    (``drafter_checkpoint`` runs it inside ``assets.locking.stage_writer``, which makes that a ``dg.Failure``)."""
     from eagle_assets.drafter.checkpoint_eval import evaluate_checkpoint
     from eagle_assets.drafter.evaluation import acceptance_png
     from eagle_assets.drafter.export import load_drafter
@@ -190,6 +198,8 @@ def train_and_evaluate(context: dg.AssetExecutionContext, settings: PipelineSett
     held = sorted(load_split_rows(layout, catalog, keys, "test"), key=lambda r: (r[3], r[0]))
     model_dir = target.resolve()
     out = layout.stage_dir("drafter_checkpoint")
+    for sub in ("checkpoint", "train_state", "train_inputs", "features", "unseen_eval"):
+        refuse_symlink(out / sub)  # cleared, replaced or rewritten below: never through a link
     context.log.info(f"training on {len(rows)} rows of {keys}; {len(validation)} validation rows steer it, "
                      f"{len(held)} test rows are held out")
     # training.features: local (the target runs here) or served (SGLang in aux-capture mode: the catalog's
@@ -204,7 +214,7 @@ def train_and_evaluate(context: dg.AssetExecutionContext, settings: PipelineSett
     write_json_atomic(result.to_dict(), out / "training_metrics.json")
     best = result.best_step if result.best_step >= 0 else (result.curve[-1].step if result.curve else None)
     png = curve_png(result.curve, result.steps, best_step=best)
-    (out / "learning_curve.png").write_bytes(png)
+    write_bytes_atomic(png, out / "learning_curve.png")
     yield dg.MaterializeResult(metadata=_training_metadata(result, png, len(rows), len(held), keys))
     yield _export_check(result.checkpoint_dir)
     # served: the target does not fit here; its config and embedding only, every feature, greedy id, re-run and
@@ -244,7 +254,9 @@ def build_training_assets(full_asset_graph: Callable[[], Any] | None = None) -> 
 
         Metadata: the run's size (rows, steps, epochs, tokens, seconds) and its learning curve (TTT loss and
         simulated tau on the validation rows against training tokens) as a plot and a table."""
-        yield from train_and_evaluate(context, settings, target, sglang, full_asset_graph)
+        # one writer of drafter_checkpoint/ (checkpoint, training state, features, metrics) for the whole step
+        with stage_writer(settings.layout(), "drafter_checkpoint"):
+            yield from train_and_evaluate(context, settings, target, sglang, full_asset_graph)
 
     checks = [
         dg.AssetCheckSpec("export_contract", asset="drafter_checkpoint",

@@ -51,6 +51,7 @@ from eagle_assets.drafter.model import (
     rope_settings,
 )
 from eagle_assets.drafter.vocab import DraftVocab, draft_vocab_from_arrays, validate_draft_vocab
+from eagle_assets.storage.guard import refuse_symlink, remove_tree
 
 WEIGHT_KEYS: tuple[str, ...] = (
     "fc.weight",
@@ -267,7 +268,10 @@ def export_checkpoint(
 
     Raises:
         CheckpointError: the model, vocab, ids and target config disagree, or the written files fail validation.
+        SymlinkRefusedError: ``out_dir`` is a symbolic link (the old checkpoint is deleted when replaced: through
+            a link that would be what it points to); checked before anything is written.
     """
+    refuse_symlink(Path(out_dir))
     cfg = model.config
     capture = [int(c) for c in aux_ids]
     target_layers = _cfg_get(target_config, "num_hidden_layers")
@@ -561,9 +565,10 @@ def _with_dtype(cfg: DrafterConfig, dtype: str) -> DrafterConfig:
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
+    refuse_symlink(dst)  # the old directory is deleted below: never through a link
     if dst.exists():
         old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
+        remove_tree(old, ignore_errors=True)
         os.replace(dst, old)
         os.replace(src, dst)
         shutil.rmtree(old, ignore_errors=True)

@@ -1,6 +1,8 @@
 """The draft vocab and the training mix as the pipeline builds them, without Dagster: each reads the passing
 datasets' QC shards under the storage layout, writes its folder, and returns the figures the ``assets`` layer
-reports. Their inputs are the datasets ``qc.status.passing_datasets`` names."""
+reports. Their inputs are the datasets ``qc.status.passing_datasets`` names. Every file is written atomically (a
+temp file renamed into place); the ``assets`` layer calls each while holding its folder's lock
+(``storage.shards.Layout.lock``)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,13 @@ from eagle_assets.drafter.vocab import (
     draft_vocab_from_arrays,
     validate_draft_vocab,
 )
-from eagle_assets.storage.shards import Layout, write_json_atomic, write_parquet_atomic
+from eagle_assets.storage.shards import (
+    Layout,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_npy_atomic,
+    write_parquet_atomic,
+)
 
 MIX_SCHEMA = pa.schema([("order", pa.int32()), ("partition", pa.string()), ("sample_id", pa.string()),
                         ("tokens", pa.int32())])
@@ -43,7 +51,11 @@ def draft_vocab_stage(layout: Layout, catalog: Catalog, keys: list[str], exclude
                       vocab_size: int) -> VocabStageResult:
     """``d2t``/``t2d`` from token counts over the loss-masked completion tokens of the training split of ``keys``
     (a streaming pass over the shards: memory does not grow with the partition), written to ``draft_vocab/``
-    (``d2t.npy``, ``t2d.npy``, ``token_counts.npy``, ``summary.json``). ``vocab_size``: the target config's."""
+    (``d2t.npy``, ``t2d.npy``, ``token_counts.npy``, ``summary.json``). ``vocab_size``: the target config's.
+
+    Every file is written to a temp file and renamed into place, the three arrays together once all are written
+    (``storage.shards.write_npy_atomic``), then ``summary.json``: a failed or killed write leaves the previous
+    vocab whole, never one array of each run."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     per_partition: Counter = Counter()
     for key in keys:
@@ -55,9 +67,7 @@ def draft_vocab_stage(layout: Layout, catalog: Catalog, keys: list[str], exclude
     vocab = build_draft_vocab(counts, vocab_size, catalog.training.draft_vocab_size)
     validate_draft_vocab(vocab.d2t, vocab.t2d, vocab_size)
     out = layout.stage_dir("draft_vocab")
-    np.save(out / "d2t.npy", vocab.d2t)
-    np.save(out / "t2d.npy", vocab.t2d)
-    np.save(out / "token_counts.npy", counts)
+    write_npy_atomic({out / "d2t.npy": vocab.d2t, out / "t2d.npy": vocab.t2d, out / "token_counts.npy": counts})
     distinct = int((counts > 0).sum())
     covered = float(counts[vocab.t2d].sum() / max(counts.sum(), 1))
     write_json_atomic({"partitions": keys, "excluded": excluded, "draft_vocab_size": int(vocab.d2t.shape[0]),
@@ -108,5 +118,5 @@ def training_mix_stage(layout: Layout, catalog: Catalog, keys: list[str], exclud
                        "buckets": result.buckets, "before": result.before, "after": result.after,
                        "notes": result.notes}, out / "summary.json")
     png = mix_png(result)
-    (out / "mix.png").write_bytes(png)
+    write_bytes_atomic(png, out / "mix.png")
     return MixStageResult(out, result, png)

@@ -19,6 +19,7 @@ trained partitions is counted (``overlap_rows``) and reported; it is still measu
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from eagle_assets.catalog import Catalog, suite_partition_key
 from eagle_assets.drafter.acceptance import mean_tau_over_groups, position_buckets, simulate_acceptance
 from eagle_assets.drafter.sampled_acceptance import chain_probabilities, sampled_acceptance
 from eagle_assets.drafter.splits import iter_shard_rows, iter_split_rows, load_split_rows
-from eagle_assets.storage.shards import Layout, write_bytes_atomic, write_json_atomic
+from eagle_assets.storage.shards import Layout, atomic_files
 
 HELDOUT = "heldout"
 Row = tuple[np.ndarray, np.ndarray]
@@ -281,13 +282,20 @@ def tau_vs_k_png(report: EvaluationReport) -> bytes:
 
 def write_report(report: EvaluationReport, out: Path, ks: list[int]) -> tuple[str, bytes]:
     """Write ``report.json`` (records, gates, overlap, missing), ``report.md`` and ``tau_vs_k.png`` to ``out``;
-    returns the markdown and the PNG."""
+    returns the markdown and the PNG.
+
+    The three are rendered first, written to temp files and renamed into place together once all are written
+    (``storage.shards.atomic_files``): a failure anywhere leaves the previous report whole, with no temp file.
+    Raises whatever rendering or writing raises (then nothing is replaced)."""
     out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic({"records": report.records, "gates": [g.__dict__ for g in report.gates],
-                       "overlap_rows": report.overlap_rows, "missing": report.missing,
-                       "seconds": round(report.seconds, 2)}, out / "report.json")
+    doc = json.dumps({"records": report.records, "gates": [g.__dict__ for g in report.gates],
+                      "overlap_rows": report.overlap_rows, "missing": report.missing,
+                      "seconds": round(report.seconds, 2)}, indent=2, sort_keys=True, default=str)
     md = report_markdown(report, ks)
-    (out / "report.md").write_text(md)
     png = tau_vs_k_png(report)
-    write_bytes_atomic(png, out / "tau_vs_k.png")
+    with atomic_files([out / "report.json", out / "report.md", out / "tau_vs_k.png"]) as (json_tmp, md_tmp, png_tmp):
+        # report.json: the bytes write_json_atomic writes
+        Path(json_tmp).write_text(doc)
+        Path(md_tmp).write_text(md, encoding="utf-8")
+        Path(png_tmp).write_bytes(png)
     return md, png

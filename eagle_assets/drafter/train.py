@@ -56,6 +56,7 @@ from eagle_assets.drafter.train_state import (
 )
 from eagle_assets.drafter.ttt_loss import drafter_rows, teacher_positions, ttt_loss
 from eagle_assets.drafter.vocab import DraftVocab
+from eagle_assets.storage.shards import write_text_atomic
 from eagle_assets.target_model.config import optional_json_config
 
 Row = tuple[np.ndarray, np.ndarray]
@@ -595,7 +596,7 @@ class _Run:
             state_dir=self.store.path if self.store is not None else None,
             state_seconds=self.state_seconds,
         )
-        (out_dir / "training_metrics.json").write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+        write_text_atomic(json.dumps(result.to_dict(), indent=1) + "\n", out_dir / "training_metrics.json")
         return result
 
 

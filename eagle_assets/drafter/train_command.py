@@ -67,10 +67,15 @@ def write_training_inputs(path: str | Path, rows: Sequence[Row], validation: Seq
         vocab_dir: holds ``d2t.npy``, ``t2d.npy`` (and ``token_counts.npy``); copied in.
         features: the resolved ``catalog.FeaturesSpec`` (written as ``features.json``); None or ``local`` = none
             written (and a stale one removed).
+    Every file is written atomically (temp file + rename): the training command reads them in other processes.
+    Raises:
+        SymlinkRefusedError: ``path`` is a symbolic link (a stale file in it is deleted: it would be the link
+            target's).
     """
-    from eagle_assets.storage.shards import write_json_atomic, write_parquet_atomic
+    from eagle_assets.storage.guard import refuse_symlink
+    from eagle_assets.storage.shards import write_json_atomic, write_npy_atomic, write_parquet_atomic
 
-    out = Path(path)
+    out = refuse_symlink(Path(path))
     (out / VOCAB_DIR).mkdir(parents=True, exist_ok=True)
     for name, part in ((TRAIN_FILE, rows), (VALIDATION_FILE, validation)):
         table = pa.Table.from_pylist([{"input_ids": np.asarray(i).tolist(), "loss_mask": np.asarray(m).tolist()}
@@ -81,10 +86,8 @@ def write_training_inputs(path: str | Path, rows: Sequence[Row], validation: Seq
         write_json_atomic(features.model_dump(mode="json"), out / FEATURES_FILE)
     else:
         (out / FEATURES_FILE).unlink(missing_ok=True)
-    for name in VOCAB_FILES:
-        src = Path(vocab_dir) / name
-        if src.exists():
-            np.save(out / VOCAB_DIR / name, np.load(src))
+    write_npy_atomic({out / VOCAB_DIR / name: np.load(Path(vocab_dir) / name) for name in VOCAB_FILES
+                      if (Path(vocab_dir) / name).exists()})
     return out
 
 

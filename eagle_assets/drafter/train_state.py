@@ -10,8 +10,6 @@ unbroken one (bitwise on CPU with the same thread count). See :class:`TrainState
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -31,6 +29,7 @@ from eagle_assets.drafter.learning_curve import CurvePoint, StepMetrics
 from eagle_assets.drafter.model import DrafterConfig, canonical_name
 from eagle_assets.drafter.recipe import TRAJECTORY_FIELDS, StepPlan, TrainConfig
 from eagle_assets.drafter.vocab import DraftVocab
+from eagle_assets.storage.guard import refuse_symlink, stage_lock
 from eagle_assets.storage.shards import atomic_file, fsync_path
 
 #: format of the files :class:`TrainState` writes. Bump it whenever a code change alters the training trajectory
@@ -197,26 +196,17 @@ class TrainState:
 
     @contextmanager
     def lock(self) -> Iterator[None]:
-        """Hold an exclusive ``flock`` on ``.lock`` for the block.
+        """Hold an exclusive ``flock`` on ``.lock`` for the block (the storage layer's ``stage_lock``).
 
         Raises:
-            RuntimeError: another process holds it.
+            PartitionBusyError (a ``RuntimeError``): another process holds it.
+            SymlinkRefusedError: the state directory or its ``.lock`` is a symbolic link (its files are deleted
+                and replaced: through a link they would be the link target's).
         """
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise RuntimeError(
-                        f"another training run is using the state directory {self.path} (its .lock is held); "
-                        "wait for it to finish or pass a different state_dir"
-                    ) from exc
-                raise
+        busy = (f"another training run is using the state directory {self.path} (its .lock is held); "
+                "wait for it to finish or pass a different state_dir")
+        with stage_lock(self.path, "train_state", busy=busy, lock_name=".lock"):
             yield
-        finally:
-            os.close(fd)  # releases the lock
 
     def load(self, fingerprint: dict[str, Any]) -> tuple[Snapshot | None, str | None]:
         """The committed state if it was written for ``fingerprint``.
@@ -270,7 +260,10 @@ class TrainState:
         self._lines = len(steps)
 
     def clear(self) -> None:
-        """Remove every state file (``state.json`` first: from then on nothing here is resumable)."""
+        """Remove every state file (``state.json`` first: from then on nothing here is resumable).
+
+        Raises: ``SymlinkRefusedError`` when the state directory is a symbolic link (nothing removed)."""
+        refuse_symlink(self.path)
         (self.path / self.STATE).unlink(missing_ok=True)
         fsync_path(self.path)
         for pattern in ("tensors-*.safetensors", self.STEPS, ".*.tmp-*"):

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from eagle_assets.exports.formats import TrainerFormat
+from eagle_assets.storage.guard import refuse_symlink, remove_tree
 from eagle_assets.storage.shards import write_json_atomic, write_parquet_atomic
 
 RECORD_KEYS: tuple[str, ...] = ("input_ids", "loss_mask", "partition", "sample_id")
@@ -115,13 +116,17 @@ def export_mixed_rows(
             holds a sample id twice, no row is left to write, or the read-back differs from the source (the
             previous export is then left untouched).
         ValueError: ``rows_per_shard`` < 1.
+        SymlinkRefusedError: ``out_dir``, its published data folder or a leftover staging folder is a symbolic
+            link (checked before anything is deleted or replaced: through a link those would be its target's files).
     """
     if rows_per_shard < 1:
         raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
-    out_dir = Path(out_dir)
+    out_dir = refuse_symlink(Path(out_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
+    if fmt.layout == "shards":  # the data folder _publish replaces (a file layout's link is replaced, not followed)
+        refuse_symlink(out_dir / fmt.data_path)
     for stale in out_dir.glob(f"{_STAGING_PREFIX}*"):  # left by a killed run; never read by a trainer
-        shutil.rmtree(stale, ignore_errors=True)
+        remove_tree(stale, ignore_errors=True)
     staging = out_dir / f"{_STAGING_PREFIX}{secrets.token_hex(6)}"
     staging.mkdir()
     try:

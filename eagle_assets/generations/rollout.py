@@ -27,7 +27,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle_assets.generations.reply import client_message
-from eagle_assets.generations.run import FAILURE_SCHEMA, FAILURES_FILE, GenerationStats, run_generation
+from eagle_assets.generations.run import (
+    FAILURE_SCHEMA,
+    FAILURES_FILE,
+    GenerationStats,
+    exclusive_writer,
+    run_generation,
+)
+from eagle_assets.storage.guard import refuse_symlink
 from eagle_assets.storage.shards import read_done_ids, shard_paths, write_parquet_atomic
 from eagle_assets.structure.segment import StructureCheck, segment_row
 from eagle_assets.tokenized_prompts.walk import (
@@ -406,13 +413,15 @@ def run_conversations(
             mappings of the turn prompts (they grow as turns are rendered); None = no live monitoring.
         progress, alarm: as in ``run_generation``; progress also gets one line per round.
     Returns: ``RolloutStats``.
-    Raises: ``generation.PartitionBusyError`` (another writer), whatever the client raises.
+    Raises: ``generation.PartitionBusyError`` (another writer), ``SymlinkRefusedError`` (``out_dir`` or its lock
+    file is a symbolic link), whatever the client raises.
     """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = refuse_symlink(Path(out_dir))  # every round writes here: no link followed
     if regenerate:
-        for name in (TURNS_FILE, CONVERSATIONS_FILE):
-            (out_dir / name).unlink(missing_ok=True)
+        with exclusive_writer(out_dir):  # never delete another writer's turn tables
+            for name in (TURNS_FILE, CONVERSATIONS_FILE):
+                (out_dir / name).unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     rollout = _Rollout(conversations, out_dir, settings)
     first_round = True
     last_stats = None

@@ -8,8 +8,10 @@ still fail after the client's retries go to ``failures.parquet`` (sample id, kin
 retried by the next materialization; a partition whose every prompt is in a shard sends no request at all.
 
 Exactly-once needs one writer per partition directory: ``run_generation`` holds an exclusive ``flock`` on
-``<out_dir>/.generation.lock`` while it runs (the kernel drops it when the process dies, SIGKILL included) and
-refuses to start when another process holds it. Temp files left by a killed writer are removed on start.
+``<out_dir>/.generation.lock`` while it runs (``storage.guard.stage_lock``: the kernel drops it when the process
+dies, SIGKILL included) and refuses to start when another process holds it. Temp files left by a killed writer are
+removed on start. A partition folder, staging folder or lock file that is a symbolic link is refused before anything
+is deleted (``storage.guard.refuse_symlink``): clearing through it would delete what it points to.
 
 Live quality (optional ``monitor``, an ``eagle_assets.qc.live.LiveQualityMonitor``): the monitor is seeded with
 the rows already in the shards and fed every new row; at each of its reports (every report evaluates)
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import gc
 import hashlib
 import json
@@ -44,6 +45,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle_assets.figures.running import DurationSketch
+from eagle_assets.storage.guard import PartitionBusyError as PartitionBusyError  # re-exported: callers catch it here
+from eagle_assets.storage.guard import refuse_symlink, stage_lock
 from eagle_assets.storage.shards import (
     clear_shards,
     next_shard_path,
@@ -134,25 +137,14 @@ class GenerationStats:
         }
 
 
-class PartitionBusyError(RuntimeError):
-    """Another process is generating into the same partition directory."""
-
-
 @contextlib.contextmanager
 def _exclusive(out_dir: Path) -> Iterator[None]:
-    fd = os.open(out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise PartitionBusyError(
-                f"another process is generating into {out_dir} (it holds {out_dir / LOCK_FILE}); two writers would "
-                "send every prompt twice and could write the same sample id to two shards. Wait for it to finish, "
-                "or stop it: the lock is released as soon as that process exits, even when it is killed"
-            ) from None
+    # the storage layer's stage lock on .generation.lock, with the refusal a generation writer gives
+    busy = (f"another process is generating into {out_dir} (it holds {out_dir / LOCK_FILE}); two writers would "
+            "send every prompt twice and could write the same sample id to two shards. Wait for it to finish, "
+            "or stop it: the lock is released as soon as that process exits, even when it is killed")
+    with stage_lock(out_dir, "generation", busy=busy, lock_name=LOCK_FILE):
         yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the flock
 
 
 # Young-generation threshold of the cyclic garbage collector while requests are in flight. CPython's default (700
@@ -235,13 +227,14 @@ def run_generation(
     Returns: ``GenerationStats`` (``stopped_early`` when the monitor stopped the run).
     Raises:
         PartitionBusyError: another process is generating into ``out_dir``.
+        SymlinkRefusedError: ``out_dir`` or its lock file is a symbolic link (nothing deleted or written).
         Whatever ``progress`` or the client raise (the rows already received are flushed first).
     Files: ``shard-NNNNN.parquet`` (``GENERATION_SCHEMA``), ``failures.parquet`` (``FAILURE_SCHEMA``): the ids of
     ``prompts`` that have no row, with the kind of their last failure; rows of other ids are dropped from it;
     ``live_stats.json`` (with a monitor): ``monitor.snapshot()`` plus ``updated_at`` (UTC ISO 8601), ``final`` and
     ``generation`` (requested, succeeded, failed, not_sent of this run).
     """
-    out_dir = Path(out_dir)
+    out_dir = refuse_symlink(Path(out_dir))  # before mkdir: nothing is created through a link
     out_dir.mkdir(parents=True, exist_ok=True)
     with _exclusive(out_dir):
         _remove_stale_temp_files(out_dir)
@@ -261,9 +254,11 @@ STAGING_DIR = ".regenerating"
 def exclusive_writer(out_dir: Path) -> Iterator[None]:
     """Hold ``out_dir``'s partition lock for the block (the one ``run_generation`` holds while it writes there).
 
-    Raises: ``PartitionBusyError`` when another process holds it."""
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    with _exclusive(Path(out_dir)):
+    Raises: ``PartitionBusyError`` when another process holds it; ``SymlinkRefusedError`` when ``out_dir`` or its
+    lock file is a symbolic link (checked before the folder is created)."""
+    out_dir = refuse_symlink(Path(out_dir))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(out_dir):
         yield
 
 
@@ -282,9 +277,12 @@ def promote_staged(out_dir: Path) -> tuple[int, int]:
 
     Returns: (old rows removed, new rows in place).
     Raises: ``PartitionBusyError`` when another process is generating into ``out_dir``; ``FileNotFoundError`` when
-    nothing is staged.
+    nothing is staged; ``SymlinkRefusedError`` when ``out_dir`` or its staging folder is a symbolic link (nothing is
+    removed or moved: the files would be the link target's).
     """
     out_dir, stage = Path(out_dir), staging_dir(out_dir)
+    refuse_symlink(out_dir)
+    refuse_symlink(stage)
     if not stage.is_dir():
         raise FileNotFoundError(f"nothing staged under {stage}")
     with _exclusive(out_dir):

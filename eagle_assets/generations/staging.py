@@ -12,7 +12,6 @@ started afresh).
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle_assets.generations.run import FAILURES_FILE, LOCK_FILE, exclusive_writer, promote_staged, staging_dir
+from eagle_assets.storage.guard import refuse_symlink, remove_tree
 from eagle_assets.storage.shards import shard_paths, shard_row_count, write_json_atomic
 
 GENERATION_INPUTS_FILE = "generation_inputs.json"
@@ -66,18 +66,25 @@ def choose_workdir(out: Path, fingerprint: dict, regenerate: bool, explicit: boo
 
     Raises:
         PartitionBusyError: another run is writing into the staging folder (it is never cleared under it).
+        SymlinkRefusedError: the partition's folder or its staging folder is a symbolic link (refused before
+            anything is read, cleared or locked there: clearing it would delete the files it points to).
     """
     if not regenerate:
         return Workdir(out, False)
+    refuse_symlink(out)
     if not shard_paths(out):  # no row to protect: regenerate in place (clears failures and stale files)
         return Workdir(out, True)
-    stage = staging_dir(out)
+    stage = refuse_symlink(staging_dir(out))
     fresh = explicit or bool(generation_inputs_changed(stage, fingerprint))
     with exclusive_writer(stage):
         if fresh:
             for p in stage.iterdir():
-                if p.name != LOCK_FILE:
-                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+                if p.name == LOCK_FILE:
+                    continue
+                if p.is_dir() and not p.is_symlink():
+                    remove_tree(p)
+                else:  # a file, or a link (only the link goes: what it points to is not the staging folder's)
+                    p.unlink()
         record_generation_inputs(stage, fingerprint)  # before any row: a killed run's staged rows are known by it
     kept, resumed = shard_row_count(out), shard_row_count(stage)
     return Workdir(stage, False, f"the {kept} stored rows of {out.name} stay until the new generation has rows: "

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from eagle_assets.catalog import Thresholds
 from eagle_assets.qc.segment_batch import FLAG_BIT, FLAG_ORDER, KEPT, list_parts, segment_batch
+from eagle_assets.storage.guard import refuse_symlink
 from eagle_assets.storage.shards import AtomicParquetWriter, shard_paths
 from eagle_assets.structure.segment import DROP_REASONS, FLAGS
 from eagle_assets.tokenized_prompts.prompts_file import PromptsFile
@@ -244,9 +245,11 @@ def qc_partition(
         profile, blank_ids, vocab_size, control_ids, tool_call_in_reasoning: as in ``segment_row``.
         short_tokens: a kept row with fewer output ids is counted ``short``; max_new_tokens: the partition's cap,
             written to ``rows.parquet``.
-    Returns: a ``QcSummary``. Raises ``OSError`` for unreadable files (a broken shard is not skipped silently).
+    Returns: a ``QcSummary``. Raises ``OSError`` for unreadable files (a broken shard is not skipped silently),
+    ``SymlinkRefusedError`` when ``out_dir`` is a symbolic link (its stale shards are deleted: they would be the
+    link target's files).
     """
-    out_dir = Path(out_dir)
+    out_dir = refuse_symlink(Path(out_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     if isinstance(prompts, pa.Table):
         prompts = PromptsFile.from_table(prompts)

@@ -1,7 +1,8 @@
 """The QC stage as the pipeline runs it, without Dagster: one partition's ``qc_shards`` (:func:`qc_partition_stage`),
 a chunked dataset's checks over all its chunks (:func:`dataset_qc_stage`) and the catalog's length report
-(:func:`length_report_stage`). Each writes its files under the storage layout and returns the figures the
-``assets`` layer reports as metadata and check results.
+(:func:`length_report_stage`). Each writes its files under the storage layout (every file atomically: a temp file
+renamed into place) and returns the figures the ``assets`` layer reports as metadata and check results; the
+``assets`` layer calls each while holding its folder's lock (``storage.shards.Layout.lock``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from eagle_assets.qc.lengths import LengthRow, format_table, length_report
 from eagle_assets.qc.qc_pass import QC_SKIP_REASONS, QcSummary, qc_partition
 from eagle_assets.qc.status import QC_STATUS_FILE, ROWS_FILE, dataset_rows_files
 from eagle_assets.qc.thresholds import Outcome, evaluate_token_structure
-from eagle_assets.storage.shards import Layout, shard_paths, write_json_atomic, write_parquet_atomic
+from eagle_assets.storage.shards import (
+    Layout,
+    shard_paths,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_parquet_atomic,
+    write_text_atomic,
+)
 from eagle_assets.structure.segment import DROP_REASONS, FLAGS
 from eagle_assets.target_model.setup import TargetSetup
 
@@ -73,7 +81,7 @@ def qc_partition_stage(layout: Layout, catalog: Catalog, key: str, target: Targe
     png = length_histogram_png(
         {"reasoning": summary.reasoning_tokens, "answer": summary.answer_tokens, "total": summary.completion_tokens},
         f"{key}: response lengths", short_tokens=thresholds.short_tokens, cap=spec.sampling.max_new_tokens)
-    (out / "lengths.png").write_bytes(png)
+    write_bytes_atomic(png, out / "lengths.png")
     by_turn = None
     if spec.prompt_policy == "all_turns":
         from eagle_assets.qc.turn_report import qc_by_turn
@@ -142,7 +150,7 @@ def length_report_stage(layout: Layout, catalog: Catalog) -> LengthReportResult:
     rows = length_report(present, short_tokens=catalog.short_tokens())
     out = layout.stage_dir("length_report")
     table_md = format_table(rows)
-    (out / "report.md").write_text(table_md + "\n")
+    write_text_atomic(table_md + "\n", out / "report.md")
     write_parquet_atomic(pa.Table.from_pylist([r.__dict__ for r in rows]), out / "report.parquet")
     series: dict[str, list[int]] = {}
     for f in present:
@@ -150,7 +158,7 @@ def length_report_stage(layout: Layout, catalog: Catalog) -> LengthReportResult:
         if t.num_rows:
             series.setdefault(t.column("partition")[0].as_py(), []).extend(t.column("completion_tokens").to_pylist())
     png = length_histogram_png(series, "completion tokens by partition", short_tokens=short)
-    (out / "lengths.png").write_bytes(png)
+    write_bytes_atomic(png, out / "lengths.png")
     missing = [k for k, f in zip(catalog.training_partition_keys, files) if not f.exists()]
     incomplete = sorted({catalog.resolve(k)[0] for k in missing} & set(catalog.chunked_datasets) & set(series))
     return LengthReportResult(out, rows, table_md, png, sorted(series), missing, incomplete,
@@ -170,5 +178,5 @@ def _turn_length_table(layout: Layout, catalog: Catalog, out: Path, short: int) 
     if not rows:
         return ""
     table = format_turn_table(rows)
-    (out / "report_by_turn.md").write_text(table + "\n")
+    write_text_atomic(table + "\n", out / "report_by_turn.md")
     return table

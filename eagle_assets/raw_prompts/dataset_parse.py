@@ -34,6 +34,7 @@ from eagle_assets.raw_prompts.write import (
     row_group_writer,
     write_raw_prompts,
 )
+from eagle_assets.storage.guard import open_lock_file, refuse_symlink, remove_tree
 from eagle_assets.storage.shards import AtomicParquetWriter, atomic_file, write_json_atomic
 
 DATASET_CACHE_FORMAT = "2"  # bump when the files of a dataset's parse change meaning (2: Arrow IPC chunk files)
@@ -177,7 +178,7 @@ def _build_dataset_parse(partition_key: str, sources: list[tuple[Path, str]], po
     ``reasons``, ``rows_by_chunk``, the key's ``facts``). Built in a temporary directory renamed into place, so
     ``cache/name/`` exists only complete; parses of other keys (stale) and builds left by killed runs are removed."""
     for left in cache.glob(_BUILD_PREFIX + "*"):  # a killed build (no other builder runs: the lock is held)
-        shutil.rmtree(left, ignore_errors=True)
+        remove_tree(left, ignore_errors=True)  # a link is refused, never followed
     build = Path(tempfile.mkdtemp(prefix=_BUILD_PREFIX, dir=cache))
     try:
         spill_dir = build / "spill"
@@ -205,7 +206,7 @@ def _build_dataset_parse(partition_key: str, sources: list[tuple[Path, str]], po
             "limit": limit, "prompt_policy": policy, "sources": [[str(p), fmt] for p, fmt in sources]}, indent=1))
         for old in cache.iterdir():  # parses of other sources or settings: stale (their readers hold the lock)
             if old.is_dir() and not old.name.startswith(".") and old.name != name:
-                shutil.rmtree(old, ignore_errors=True)
+                remove_tree(old, ignore_errors=True)  # a link is refused, never followed
         os.rename(build, cache / name)
     finally:
         shutil.rmtree(build, ignore_errors=True)
@@ -262,10 +263,11 @@ def dataset_chunk_rows(partition_key: str, sources: list[tuple[Path, str]], poli
     the ``FormatError`` naming it. Raises ``FormatError`` for a source unusable as a whole (nothing cached then),
     ``OSError`` for unwritable output or cache, and for a cache on storage without ``flock`` (ENOLCK): the lock is
     what keeps concurrent chunk runs to one parse, across machines too on shared storage that supports it (NFSv4,
-    CephFS, Lustre with flock enabled).
+    CephFS, Lustre with flock enabled). ``SymlinkRefusedError`` when ``cache``, its lock file or a parse folder to
+    remove is a symbolic link (nothing is deleted through it).
     """
     sources = list(sources)
-    cache = Path(cache)
+    cache = refuse_symlink(Path(cache))
     cache.mkdir(parents=True, exist_ok=True)
     try:
         shas = _source_hashes(sources, cache / _SOURCE_HASHES)
@@ -274,7 +276,7 @@ def dataset_chunk_rows(partition_key: str, sources: list[tuple[Path, str]], poli
     name = dataset_parse_key(partition_key, sources, policy, shas, seed=seed, limit=limit, chunks=chunk[1])
     parse = cache / name
     parsed = False
-    with open(cache / _LOCK_FILE, "a+b") as lock:
+    with os.fdopen(open_lock_file(cache / _LOCK_FILE), "r+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_SH)
         while not (parse / _PARSE_SUMMARY).is_file():
             fcntl.flock(lock, fcntl.LOCK_EX)  # a conversion: drops the shared lock, then waits for the others

@@ -45,6 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle_assets.raw_prompts.rows import KEPT, RAW_SCHEMA, REJECT_SCHEMA, iter_prompt_rows, shown_path
+from eagle_assets.storage.guard import refuse_symlink, remove_tree
 from eagle_assets.storage.shards import AtomicParquetWriter
 
 ROW_GROUP_ROWS = 8192  # ~12 MB of raw prompt rows (~1.5 KB each) buffered per row group
@@ -265,14 +266,15 @@ def write_raw_prompts(
     writes the same bytes from one parse shared by the dataset's chunks.
 
     Raises ``FormatError`` for a source file unusable as a whole and ``OSError`` for unwritable output; nothing is
-    replaced then (both files are renamed into place only after the pass).
+    replaced then (both files are renamed into place only after the pass). ``SymlinkRefusedError`` when ``out_dir``
+    or a leftover spill folder in it is a symbolic link (nothing deleted: the files would be the link target's).
     """
     if chunk is not None and not 0 <= chunk[0] < chunk[1]:
         raise ValueError(f"chunk {chunk[0]} of {chunk[1]}: the index must be in 0 .. {chunk[1] - 1}")
-    out_dir = Path(out_dir)
+    out_dir = refuse_symlink(Path(out_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob(_SPILL_PREFIX + "*"):  # left by a killed run
-        shutil.rmtree(stale, ignore_errors=True)
+        remove_tree(stale, ignore_errors=True)
     spill_dir = Path(tempfile.mkdtemp(prefix=_SPILL_PREFIX, dir=out_dir))
     summary = RawPromptsSummary(parsed=True)
     sources = list(sources)

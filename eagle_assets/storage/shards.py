@@ -11,7 +11,12 @@ Layout under the storage root (``$EAGLE_ASSETS_HOME``, default ``<cwd>/.eagle_as
     <root>/<catalog>/drafter_checkpoint/...
 
 Every file is written to a temporary name in the same directory and renamed into place (``os.replace`` is atomic
-on POSIX within one filesystem), so readers see either the old file or the new one, never a torn one.
+on POSIX within one filesystem), so readers see either the old file or the new one, never a torn one. The temp
+names are ``.<final name>.<random>.tmp``: dotfiles ending ``.tmp``, which no shard listing or content version
+matches.
+
+The folders under ``<root>/<catalog>/`` are the pipeline's own: :meth:`Layout.stage_dir` refuses one that is a
+symbolic link, and a stage writes its folder while holding its lock (:meth:`Layout.lock`; ``storage.guard``).
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from eagle_assets.storage.guard import refuse_symlink, stage_lock
 
 # a catalog, stage or dataset name, or a chunk's partition key (``catalog.CHUNK_KEY_RE``: "<dataset>.c<digits>")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*(\.c[0-9]+)?$")
@@ -67,12 +75,33 @@ class Layout:
         return Path(self.root) / self.catalog_name
 
     def stage_dir(self, stage: str, partition: str | None = None) -> Path:
-        """Directory of ``stage`` (and ``partition``); created on demand."""
+        """Directory of ``stage`` (and ``partition``); created on demand.
+
+        Raises:
+            SymlinkRefusedError: the catalog's folder, the stage's or the partition's is a symbolic link (checked
+                before anything is created; ``storage.guard.refuse_symlink``): every stage deletes and rewrites
+                files in these folders, and through a link it would delete what the link points to.
+        """
         path = self.base / safe_name(stage, "stage")
         if partition is not None:
             path = path / safe_name(partition)
+        refuse_symlink(path, self.root)
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+    @contextlib.contextmanager
+    def lock(self, stage: str, partition: str | None = None, wait_s: float = 0.0) -> Iterator[Path]:
+        """Hold the lock of ``stage``'s folder (of ``partition``) for the block: ``<folder>/.<stage>.lock``
+        (``storage.guard.stage_lock``); yields the folder. Every stage that writes or deletes holds it around its
+        whole write, so two runs of one partition never delete each other's working files. ``wait_s``: how long to
+        wait for another holder before refusing (0: refuse at once).
+
+        Raises:
+            PartitionBusyError: another process holds it.
+            SymlinkRefusedError: the folder, one above it under the root, or the lock file is a symbolic link.
+        """
+        with stage_lock(self.stage_dir(stage, partition), stage, root=self.root, wait_s=wait_s) as folder:
+            yield folder
 
 
 @contextlib.contextmanager
@@ -212,6 +241,51 @@ def write_json_atomic(obj: Any, path: Path) -> Path:
     return Path(path)
 
 
+def write_text_atomic(text: str, path: Path) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` via a temp file + ``os.replace``; returns ``path``."""
+    with atomic_file(path) as tmp:
+        Path(tmp).write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_files(paths: Sequence[Path]) -> Iterator[list[str]]:
+    """Temp files beside each of ``paths`` (in the same order) to write in the block; when it ends without error
+    each is renamed over its path (``os.replace``, in order), otherwise every one is removed. So a failure while
+    any of them is written leaves all the previous files as they were: files read together (the draft vocab's
+    arrays, a report and its figure) are never a mix of two runs because one write failed. Raises what the block
+    or a rename raises (a rename failing part way replaces the earlier paths only)."""
+    paths = [Path(p) for p in paths]
+    tmps: list[str] = []
+    try:
+        for path in paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            os.close(fd)
+            tmps.append(tmp)
+        yield list(tmps)
+        for tmp, path in zip(tmps, paths):
+            os.replace(tmp, path)
+    finally:
+        for tmp in tmps:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def write_npy_atomic(arrays: Mapping[Path, np.ndarray]) -> None:
+    """Write each array to its path as ``.npy`` (``np.save``'s bytes, no pickles) through :func:`atomic_files`: all
+    of them are renamed into place only once every one is written.
+
+    A temp path is given to ``np.save`` as an open file, since ``np.save`` appends ``.npy`` to a name without it.
+    Raises what ``np.save`` or the filesystem raise (``OSError``, ``ValueError`` for an object array); then no file
+    is replaced and no temp file is left.
+    """
+    with atomic_files(list(arrays)) as tmps:
+        for tmp, array in zip(tmps, arrays.values()):
+            with open(tmp, "wb") as fh:
+                np.save(fh, array, allow_pickle=False)
+
+
 def shard_paths(directory: Path) -> list[Path]:
     """Completed shards ``shard-NNNNN.parquet`` in ``directory``, in order (temp files are ignored)."""
     directory = Path(directory)
@@ -246,7 +320,13 @@ def read_done_ids(directory: Path, column: str = "sample_id") -> set[str]:
 
 
 def clear_shards(directory: Path, extra: Iterable[str] = ()) -> None:
-    """Remove every shard (and the named extra files) of ``directory``: used by an explicit regenerate."""
+    """Remove every shard (and the named extra files) of ``directory``: used by an explicit regenerate.
+
+    Raises:
+        SymlinkRefusedError: ``directory`` is a symbolic link (nothing is removed: the files are the link
+            target's).
+    """
+    refuse_symlink(directory)
     for p in shard_paths(directory):
         p.unlink()
     for name in extra:
