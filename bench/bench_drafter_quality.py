@@ -143,8 +143,8 @@ class SpecForgeArm:
 
     def as_ours(self, dconf, vocab, target):
         """The trained weights in our :class:`Eagle3DraftModel` (SGLang's names: the same keys, embedding shared)."""
-        from eagle_assets.drafter.export import WEIGHT_KEYS
-        from eagle_assets.drafter.model import Eagle3DraftModel, canonical_name
+        from eagle_assets.drafter.eagle3.export import WEIGHT_KEYS
+        from eagle_assets.drafter.eagle3.model import Eagle3DraftModel, canonical_name
 
         theirs = {k: v.detach().float() for k, v in self.draft.state_dict().items() if k in WEIGHT_KEYS}
         missing = set(WEIGHT_KEYS) - set(theirs)
@@ -172,14 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from eagle_assets.assets.resources import PipelineSettings, TargetModel
-    from eagle_assets.drafter.checkpoint_eval import unseen_eval_rows
-    from eagle_assets.drafter.evaluation import evaluate_groups
-    from eagle_assets.drafter.export import load_drafter
+    from eagle_assets.drafter.data.splits import load_split_rows, mixed_training_rows
+    from eagle_assets.drafter.data.vocab import draft_vocab_from_arrays
+    from eagle_assets.drafter.eagle3.export import load_drafter
+    from eagle_assets.drafter.evaluation.heldout import evaluate_groups
+    from eagle_assets.drafter.evaluation.verdict import unseen_eval_rows
     from eagle_assets.drafter.features.local_capture import run_target
-    from eagle_assets.drafter.recipe import config_from_catalog
-    from eagle_assets.drafter.splits import load_split_rows, mixed_training_rows
-    from eagle_assets.drafter.train import train_drafter
-    from eagle_assets.drafter.vocab import draft_vocab_from_arrays
+    from eagle_assets.drafter.training.loop import train_drafter
+    from eagle_assets.drafter.training.recipe import config_from_catalog
     from eagle_assets.qc.status import passing_datasets
     from eagle_assets.storage.shards import default_storage_root
 
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         lo, hi = r.tau_ci95 or (float("nan"), float("nan"))
         return f"{r.tau:.3f} [{lo:.2f}, {hi:.2f}]"
 
-    from eagle_assets.drafter.acceptance import mean_tau_over_groups
+    from eagle_assets.drafter.evaluation.acceptance import mean_tau_over_groups
 
     o_mean, o_ci = mean_tau_over_groups({g: (ours_eval.groups[g].row_verifications, ours_eval.groups[g].row_tokens)
                                          for g in held})

@@ -63,9 +63,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from schedstat import runq_wait_s  # noqa: E402
 
+from eagle_assets.drafter.data.vocab import build_draft_vocab  # noqa: E402
 from eagle_assets.drafter.features.local_capture import aux_layer_ids, head_argmax, run_target  # noqa: E402
-from eagle_assets.drafter.train import TrainConfig, train_drafter  # noqa: E402
-from eagle_assets.drafter.vocab import build_draft_vocab  # noqa: E402
+from eagle_assets.drafter.training.loop import TrainConfig, train_drafter  # noqa: E402
 
 
 @dataclass(frozen=True)

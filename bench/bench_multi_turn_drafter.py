@@ -17,7 +17,7 @@ default catalog's multi-turn partition ``B1_glaive`` (glaive conversations: a to
    the demo target's directory (``demo.shipped.demo_target()``).
    Storage ``<storage-root>/multi_turn_drafter`` (``EAGLE_ASSETS_HOME=<storage-root>``, ``DAGSTER_HOME`` under it);
 3. splits by conversation (the record's ``source_row``, shared by both partitions): a conversation is held out
-   when the product's keyed hash (``drafter.splits.is_holdout`` of its ``B1_glaive`` sample id, ``--holdout-
+   when the product's keyed hash (``drafter.data.splits.is_holdout`` of its ``B1_glaive`` sample id, ``--holdout-
    fraction``, training seed) says so, and then none of its rows, in either partition, is trained on. The
    evaluation rows are the ``B1_glaive`` (all-turns) QC rows of the held-out conversations: turn 1, and turns >= 2
    ("held-out later turns": what the drafter meets when serving a conversation on-policy), also turn 2 and 3 apart,
@@ -29,8 +29,8 @@ default catalog's multi-turn partition ``B1_glaive`` (glaive conversations: a to
    .train_and_measure``: draft vocab from the set's completion tokens, ``train_drafter``, no validation rows, so no
    early stop and every run uses its whole budget) at the SAME ``train_tokens`` (row tokens through the
    optimizer, prompt + completion; default the catalog's 120000, capped at the smaller set's tokens x ``epochs``)
-   and the same seed, and simulates tau at k = ``acceptance_k`` (``drafter.acceptance.simulate_acceptance``, its
-   95% bootstrap interval over rows),
+   and the same seed, and simulates tau at k = ``acceptance_k`` (``drafter.evaluation.acceptance.simulate_acceptance``,
+   its 95% bootstrap interval over rows),
 5. prints per partition the turns per conversation, rows per turn and drop / end reasons per turn
    (``qc.turn_report.qc_by_turn`` and the rollout's ``conversations.parquet``), for this run and for the
    stored run of ``catalogs/shared-real-multi-turn.yaml`` when ``--real-storage`` holds one (it is not
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     from eagle_assets.assets.resources import PipelineSettings
     from eagle_assets.catalog import load_catalog
     from eagle_assets.demo.shipped import demo_target
-    from eagle_assets.drafter.splits import is_holdout
+    from eagle_assets.drafter.data.splits import is_holdout
     from eagle_assets.storage.shards import default_storage_root
     from eagle_assets.tokenized_prompts.walk import parse_turn_row_id
 

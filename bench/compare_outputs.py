@@ -1,9 +1,11 @@
 """Comparison of two ``eagle-assets run`` outputs (issue 26: a redesign must not change them).
 
-Hashes (sha256) every Parquet shard, the draft vocab, the training mix and the drafter's ``model.safetensors``
-under two storage roots. Where a Parquet file's bytes differ, its asset partition is compared again as rows: the
-partition's shards read together, the columns that carry wall-clock time dropped (``VOLATILE``), every row written
-as canonical JSON and the rows sorted. Two runs of the SAME code differ there too, for reasons outside the code:
+Hashes (sha256) every Parquet shard, the draft vocab, the training mix, the drafter's ``model.safetensors`` and
+``config.json`` under two storage roots (lock files, which hold no data, are left out), and compares the evaluation
+report's figures (``evaluation/report.json`` without its wall-clock ``seconds``). Where a Parquet file's bytes
+differ, its asset partition is compared again as rows: the partition's shards read together, the columns that
+carry wall-clock time dropped (``VOLATILE``), every row written as canonical JSON and the rows sorted. Two runs of
+the SAME code differ there too, for reasons outside the code:
 
 - ``generations`` flushes a shard every ``flush_rows`` rows OR every ``flush_seconds``, and writes rows in the
   order the server finishes them, so the shard boundaries and the row order follow the run's timing;
@@ -30,7 +32,11 @@ import sys
 from pathlib import Path
 
 # What the pipeline produces; run metadata (provenance.json, live_stats.json, logs) carries times and paths.
-PATTERNS = ("**/*.parquet", "draft_vocab/**/*.npy", "training_mix/**/*", "drafter_checkpoint/**/model.safetensors")
+PATTERNS = ("**/*.parquet", "draft_vocab/**/*.npy", "training_mix/**/*", "drafter_checkpoint/**/model.safetensors",
+            "drafter_checkpoint/checkpoint/config.json")
+# The evaluation report: its figures are compared, not its bytes (``seconds`` is how long the measuring took).
+REPORT = "evaluation/report.json"
+REPORT_VOLATILE = frozenset({"seconds"})
 # Columns that hold a measured duration, not data.
 VOLATILE = frozenset({"latency_s"})
 
@@ -40,7 +46,7 @@ def digests(root: Path) -> dict[str, str]:
     out = {}
     for pattern in PATTERNS:
         for path in sorted(root.glob(pattern)):
-            if path.is_file() and "train_state" not in path.parts:
+            if path.is_file() and "train_state" not in path.parts and not path.name.startswith("."):
                 out[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
     return out
 
@@ -84,6 +90,12 @@ def compare(a_root: Path, b_root: Path) -> dict[str, str]:
             out[group] = "equal as rows"
         else:
             out[group] = "DIFFERS"
+    reports = [root / REPORT for root in (a_root, b_root)]
+    if any(r.exists() for r in reports):
+        figures = [{k: v for k, v in json.loads(r.read_text()).items() if k not in REPORT_VOLATILE}
+                   if r.exists() else None for r in reports]
+        out[REPORT + " (figures)"] = ("first only" if figures[1] is None else "second only" if figures[0] is None
+                                       else "equal" if figures[0] == figures[1] else "DIFFERS")
     return out
 
 

@@ -37,8 +37,9 @@ def train_and_measure(
         model_dir: the target model directory.
         train_rows: ``(input_ids int32 [T], loss_mask int8 [T])`` training rows of this arm.
         heldout: partition -> held-out rows (target generations), the same for every arm.
-        training: a ``catalog.TrainingSpec`` (its recipe fields, see ``drafter.recipe.config_from_catalog``, and
-            draft_vocab_size, acceptance_k, acceptance_max_positions).
+        training: a ``catalog.TrainingSpec`` (its recipe fields, see
+            ``drafter.training.recipe.config_from_catalog``, and draft_vocab_size, acceptance_k,
+            acceptance_max_positions).
         out_dir: this arm's directory (checkpoint under ``checkpoint/``, ``result.json``).
     Returns: ``{"train_rows", "train_tokens", "draft_vocab_coverage", "train_seconds", "final_loss", "tau":
         {partition: tau}, "tau_ci95": {partition: [lo, hi]} (the rows' bootstrap, ``acceptance.bootstrap_tau``),
@@ -48,11 +49,11 @@ def train_and_measure(
     """
     from transformers import AutoModelForCausalLM
 
-    from eagle_assets.drafter.acceptance import simulate_acceptance
-    from eagle_assets.drafter.export import load_drafter
-    from eagle_assets.drafter.recipe import config_from_catalog
-    from eagle_assets.drafter.train import train_drafter
-    from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
+    from eagle_assets.drafter.data.vocab import build_draft_vocab, count_completion_tokens
+    from eagle_assets.drafter.eagle3.export import load_drafter
+    from eagle_assets.drafter.evaluation.acceptance import simulate_acceptance
+    from eagle_assets.drafter.training.loop import train_drafter
+    from eagle_assets.drafter.training.recipe import config_from_catalog
     from eagle_assets.target_model.config import config_vocab_size as target_vocab_size
 
     out_dir = Path(out_dir)

@@ -31,8 +31,8 @@ import pyarrow.parquet as pq  # noqa: E402
 from drafter_experiment import completion_tokens, train_and_measure  # noqa: E402
 
 from eagle_assets.catalog import MixSpec, default_catalog_path, load_catalog  # noqa: E402
-from eagle_assets.drafter.mix import MixCandidate, build_mix  # noqa: E402
-from eagle_assets.drafter.splits import is_holdout  # noqa: E402
+from eagle_assets.drafter.data.mix import MixCandidate, build_mix  # noqa: E402
+from eagle_assets.drafter.data.splits import is_holdout  # noqa: E402
 from eagle_assets.storage.shards import default_storage_root  # noqa: E402
 
 

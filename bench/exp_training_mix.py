@@ -35,7 +35,7 @@ import yaml  # noqa: E402
 from drafter_experiment import train_and_measure  # noqa: E402
 
 from eagle_assets.catalog import load_catalog  # noqa: E402
-from eagle_assets.drafter.mix import build_mix, mix_table_markdown  # noqa: E402
+from eagle_assets.drafter.data.mix import build_mix, mix_table_markdown  # noqa: E402
 from eagle_assets.storage.shards import default_storage_root  # noqa: E402
 
 SHORT = ("B1_glaive", "B2_opencodeinstruct")
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from eagle_assets.assets.resources import PipelineSettings, TargetModel
-    from eagle_assets.drafter.splits import load_split_rows, mix_candidates
+    from eagle_assets.drafter.data.splits import load_split_rows, mix_candidates
     from eagle_assets.qc.status import passing_datasets
 
     root = (args.storage_root or default_storage_root()).resolve()

@@ -372,16 +372,17 @@ def _run_jobs(args: argparse.Namespace, defs, instance, catalog, catalog_path: P
         ckpt = layout.base / "drafter_checkpoint" / "checkpoint"
         if useless:
             print("  train longer or faster: training.train_tokens, epochs, lr and batch_tokens (catalogs/default.yaml "
-                  "has the embedded target's values; drafter/recipe.py explains them and gives values for 8B- and "
-                  "1T-class targets), and hold out enough rows for a stable figure (training.holdout_rows)",
+                  "has the embedded target's values; drafter/training/recipe.py explains them and gives values for "
+                  "8B- and 1T-class targets), and hold out enough rows for a stable figure (training.holdout_rows)",
                   flush=True)
             failed.append("training")
         elif result.success:
-            from eagle_assets.drafter.export import serve_flags
+            from eagle_assets.drafter.family import family_of_checkpoint
 
             target_path = defs.resources["target"].resolve()
+            flags = family_of_checkpoint(ckpt).serve_flags(ckpt, catalog.training.acceptance_k)
             print(f"drafter checkpoint: {ckpt}\n  serve with: python -m sglang.launch_server --model-path "
-                  f"{target_path} {' '.join(serve_flags(ckpt, catalog.training.acceptance_k))}")
+                  f"{target_path} {' '.join(flags)}")
             report = layout.base / "evaluation" / "report.md"
             if catalog.evaluation is not None and report.exists():
                 print(f"\nevaluation (docs/evaluation.md): {report.parent}\n{report.read_text()}", flush=True)

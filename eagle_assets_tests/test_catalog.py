@@ -222,8 +222,8 @@ def test_training_drafter_choice_resolves_per_target_class():
     from pydantic import ValidationError
 
     from eagle_assets.catalog import TrainingSpec
-    from eagle_assets.drafter.model import DrafterConfig
-    from eagle_assets.drafter.recipe import config_from_catalog
+    from eagle_assets.drafter.eagle3.model import DrafterConfig
+    from eagle_assets.drafter.training.recipe import config_from_catalog
 
     arch = config_from_catalog(TrainingSpec()).drafter
     qwen3 = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 300,
@@ -264,3 +264,35 @@ def test_a_suite_is_a_partition_never_trained_on(tmp_path):
     assert cat.evaluation.suites["mt"].modes == ("off",) and cat.evaluation.ks(7) == [1, 2, 3, 4, 5, 6, 7, 8]
     with pytest.raises(CatalogError, match="no such partition"):
         cat.partition("eval-other")
+
+
+def test_a_legacy_unseen_eval_becomes_a_suite_and_says_so(tmp_path):
+    """``training.unseen_eval`` (the old side path) loads as the evaluation suite ``unseen``: a partition of its
+    own, greedy, its thinking from ``enable_thinking``; a note names what it became. A suite that already reads its
+    sources measures them: then it is only dropped, with a note. Held-back cases: an existing suite named
+    ``unseen`` and an invalid legacy spec are refused naming the field."""
+    (tmp_path / "u.jsonl").write_text('{"question": "2+2?", "answer": "4"}\n')
+    legacy = ("training:\n  unseen_eval: {description: word problems, sources: [{path: u.jsonl, format: gsm8k}],\n"
+              "                enable_thinking: false, max_new_tokens: 96, limit: 7}\n")
+    cat = load_catalog(_write(tmp_path, MINIMAL + legacy))
+    assert cat.partition_keys == ["P1", "eval-unseen"] and cat.training_partition_keys == ["P1"]
+    suite = cat.evaluation.suites["unseen"]
+    assert (suite.description, suite.thinking, suite.limit) == ("word problems", "off", 7)
+    assert (suite.sampling.max_new_tokens, suite.sampling.temperature) == (96, 0.0)
+    assert cat.partition("eval-unseen").resolved_sources() == [((tmp_path / "u.jsonl").resolve(), "gsm8k")]
+    assert [w for w in cat.warnings() if "is now the evaluation suite 'unseen'" in w]
+    assert not hasattr(cat.training, "unseen_eval")
+
+    measured = legacy + ("evaluation:\n  suites:\n    words: {sources: [{path: u.jsonl, format: gsm8k}]}\n")
+    cat = load_catalog(_write(tmp_path, MINIMAL + measured, "measured.yaml"))
+    assert list(cat.evaluation.suites) == ["words"]
+    assert [w for w in cat.warnings() if "measured by the evaluation suite words" in w and "dropped" in w]
+    quiet = load_catalog(_write(tmp_path, MINIMAL + "training: {unseen_eval: null}\n", "null.yaml"))
+    assert quiet.evaluation is None and not [w for w in quiet.warnings() if "unseen_eval" in w]
+
+    taken = legacy + ("evaluation:\n  suites:\n    unseen: {sources: [{path: q.jsonl, format: mtbench}]}\n")
+    with pytest.raises(CatalogError, match=r"training.unseen_eval.*already has one"):
+        load_catalog(_write(tmp_path, MINIMAL + taken, "taken.yaml"))
+    with pytest.raises(CatalogError, match=r"training.unseen_eval.*max_new_token"):
+        load_catalog(_write(tmp_path, MINIMAL + "training:\n  unseen_eval: {sources: [{path: u.jsonl}], "
+                                                "max_new_token: 9}\n", "typo.yaml"))

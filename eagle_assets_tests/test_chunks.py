@@ -332,7 +332,7 @@ def test_a_chunked_dataset_trains_exactly_as_the_unchunked_one(runs):
     assert whole_mix and chunk_mix == whole_mix and {r["partition"] for r in chunk_mix} == {"D"}
     # the held-out split is the dataset's: the same rows, whichever chunk they are in
     from eagle_assets.assets.resources import PipelineSettings
-    from eagle_assets.drafter.splits import load_split_rows
+    from eagle_assets.drafter.data.splits import load_split_rows
 
     for split in ("validation", "test"):
         got = {}

@@ -2,7 +2,7 @@
 same global batch, and resume a state one process wrote.
 
 Each launch is the real command (``python -m torch.distributed.run --standalone --nproc_per_node 2 -m
-eagle_assets.drafter.train_command``), one torch thread per process, on a tiny random Qwen3 target.
+eagle_assets.drafter.training.command``), one torch thread per process, on a tiny random Qwen3 target.
 
 Tolerance: the 2-process weights equal the 1-process weights to ``ATOL`` absolute (float32 weights of order
 0.01-1). They are not bitwise equal: each rank runs the target and the drafter on its own, smaller padded batch,
@@ -26,10 +26,10 @@ import torch
 from safetensors.torch import load_file
 from tiny_targets import tiny_qwen3
 
-from eagle_assets.drafter.recipe import TrainConfig
-from eagle_assets.drafter.train import train_drafter
-from eagle_assets.drafter.train_command import read_rows, train_result_from_dict, write_training_inputs
-from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
+from eagle_assets.drafter.data.vocab import build_draft_vocab, count_completion_tokens
+from eagle_assets.drafter.training.command import read_rows, train_result_from_dict, write_training_inputs
+from eagle_assets.drafter.training.loop import train_drafter
+from eagle_assets.drafter.training.recipe import TrainConfig
 
 pytestmark = pytest.mark.slow(seconds=70)  # its share of a parallel session: scheduled early (conftest)
 
@@ -88,7 +88,7 @@ def one_process(setup):
 
 def torchrun(setup, out: Path, state_dir: Path, nproc: int = 2) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "eagle_assets.drafter.train_command", "--target", str(setup["target"]),
+           "-m", "eagle_assets.drafter.training.command", "--target", str(setup["target"]),
            "--inputs", str(setup["inputs"]), "--out", str(out), "--state-dir", str(state_dir), "--log-every-s", "0"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")}
     env["OMP_NUM_THREADS"] = "1"

@@ -13,16 +13,16 @@ from safetensors.torch import load_file, save_file
 from tiny_targets import tiny_qwen3
 from transformers import AutoConfig
 
-from eagle_assets.drafter.export import (
+from eagle_assets.drafter.data.vocab import build_draft_vocab
+from eagle_assets.drafter.eagle3.export import (
     EXPECTED_KEYS,
     CheckpointError,
     export_checkpoint,
     load_drafter,
     validate_checkpoint,
 )
+from eagle_assets.drafter.eagle3.model import DraftArchitecture, DrafterConfig, Eagle3DraftModel
 from eagle_assets.drafter.features.local_capture import aux_layer_ids
-from eagle_assets.drafter.model import DraftArchitecture, DrafterConfig, Eagle3DraftModel
-from eagle_assets.drafter.vocab import build_draft_vocab
 
 VOCAB, HIDDEN, LAYERS, DRAFT = 300, 64, 8, 120
 
@@ -252,7 +252,7 @@ def test_a_checkpoint_from_before_the_architecture_fields_loads_and_resumes(expo
     """Pre-3.1 exports: no fc_norm / norm_output / norm_before_fc / bias / window keys in config.json, layer 0 under
     ``midlayer.*``; and a training state that names it ``model.midlayer.*``: both are read as today's one-layer
     Llama draft (the state's fingerprint keeps its drafter dict: the new fields are left out at their defaults)."""
-    from eagle_assets.drafter.train_state import restore_tensors, state_tensors
+    from eagle_assets.drafter.training.state import restore_tensors, state_tensors
 
     rewrite_config(exported, fc_norm=..., norm_output=..., norm_before_fc=..., bias=...,
                    speculative_draft_window_size=...)
@@ -316,8 +316,8 @@ def test_kimi_k25_target_gets_the_mla_drafter_sglang_serves_for_it(shared_data):
     """The real Kimi-K2.5 config.json (``tokenizers/kimi-k2.5``): ``auto`` picks the MLA draft with the 3.1 switches
     and the target's MLA dims and yarn rotary; the checkpoint it would export (shapes from the model built on the
     meta device, nothing allocated) has the names and shapes ``Eagle3DeepseekV2ForCausalLM`` loads."""
-    from eagle_assets.drafter.export import drafter_config_from_json, drafter_config_json, expected_tensors
-    from eagle_assets.drafter.model import mla_softmax_scale
+    from eagle_assets.drafter.eagle3.export import drafter_config_from_json, drafter_config_json, expected_tensors
+    from eagle_assets.drafter.eagle3.model import mla_softmax_scale
 
     config = json.loads((shared_data / "tokenizers" / "kimi-k2.5" / "config.json").read_text())
     dconf = DrafterConfig.from_target(config, 32000, [2, 31, 58], arch=DraftArchitecture())

@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from tiny_targets import tiny_qwen3
 
 from eagle_assets.definitions import build_definitions
-from eagle_assets.drafter.train import train_drafter
-from eagle_assets.drafter.train_command import read_config, read_draft_vocab, read_rows
+from eagle_assets.drafter.training.command import read_config, read_draft_vocab, read_rows
+from eagle_assets.drafter.training.loop import train_drafter
 from eagle_assets_tests.dagster_runs import materialize_training
 
 pytestmark = pytest.mark.slow(seconds=85)  # its share of a parallel session: scheduled early (conftest)
@@ -100,7 +100,7 @@ def test_torchrun_launcher_materializes_the_checkpoint_with_logs_in_the_run(mate
     result, logs = materialized["result"], materialized["logs"]
     assert result.success, "\n".join(logs[-30:])
     launch = [m for m in logs if m.startswith("launching 2 training process(es): ")]
-    assert launch and "torch.distributed.run --standalone --nproc_per_node=2 -m eagle_assets.drafter.train_command" \
+    assert launch and "torch.distributed.run --standalone --nproc_per_node=2 -m eagle_assets.drafter.training.command" \
         in launch[0]
     # rank 0's lines came through Dagster Pipes into this run's event log
     assert any("data-parallel training on 2 process(es), backend gloo" in m for m in logs)
@@ -146,7 +146,7 @@ def test_torchrun_with_served_features_fetches_each_row_once_and_matches_an_inli
     from safetensors import safe_open
 
     from eagle_assets.drafter.features.shard_format import row_key
-    from eagle_assets.drafter.train_command import read_features
+    from eagle_assets.drafter.training.command import read_features
     from eagle_assets.serving.server import serve_in_thread
 
     target_dir = tmp_path / "target"

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from eagle_assets.catalog import MixSpec
-from eagle_assets.drafter.mix import MixCandidate, bucket_labels, build_mix, mix_png, mix_table_markdown
+from eagle_assets.drafter.data.mix import MixCandidate, bucket_labels, build_mix, mix_png, mix_table_markdown
 
 
 def _rows(partition: str, n: int, lo: int, hi: int, seed: int) -> list[MixCandidate]:
@@ -106,7 +106,7 @@ def test_bad_inputs_are_refused():
 
 def test_held_out_splits_are_disjoint_capped_per_partition_and_stable():
     from eagle_assets.catalog import TrainingSpec
-    from eagle_assets.drafter.splits import is_holdout, row_splits
+    from eagle_assets.drafter.data.splits import is_holdout, row_splits
 
     ids = [f"P-{i:03d}" for i in range(48)]
     capped = TrainingSpec(holdout_fraction=0.8, holdout_rows=34, validation_rows=4, seed=0)
@@ -133,7 +133,7 @@ def test_held_out_splits_are_disjoint_capped_per_partition_and_stable():
 
 def test_turns_and_thinking_modes_of_one_conversation_share_their_split():
     from eagle_assets.catalog import TrainingSpec
-    from eagle_assets.drafter.splits import row_splits
+    from eagle_assets.drafter.data.splits import row_splits
     from eagle_assets.tokenized_prompts.walk import conversation_id, turn_row_id
 
     spec = TrainingSpec(holdout_fraction=0.5, holdout_rows=10, validation_rows=2, seed=0)

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from tiny_targets import tiny_qwen3
 
-from eagle_assets.drafter import model as drafter_model
+from eagle_assets.drafter.eagle3 import model as drafter_model
+from eagle_assets.drafter.eagle3.model import DrafterConfig, Eagle3DraftModel
+from eagle_assets.drafter.eagle3.ttt_loss import drafter_rows
 from eagle_assets.drafter.features.local_capture import (
     aux_layer_ids,
     capture_to_layer_output_ids,
@@ -18,8 +20,7 @@ from eagle_assets.drafter.features.local_capture import (
     run_target,
     target_features,
 )
-from eagle_assets.drafter.model import DrafterConfig, Eagle3DraftModel
-from eagle_assets.drafter.ttt_loss import drafter_rows, soft_cross_entropy, teacher_positions
+from eagle_assets.drafter.features.teacher import soft_cross_entropy, teacher_positions
 
 VOCAB = 300
 LAYERS = 8

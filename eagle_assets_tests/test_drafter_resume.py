@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 from tiny_targets import tiny_qwen3
 
-from eagle_assets.drafter import train_state as state_mod
-from eagle_assets.drafter.model import canonical_name
-from eagle_assets.drafter.train import TrainConfig, TrainState, epoch_order, lr_at, train_drafter
-from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
+from eagle_assets.drafter.data.vocab import build_draft_vocab, count_completion_tokens
+from eagle_assets.drafter.eagle3.model import canonical_name
+from eagle_assets.drafter.training import state as state_mod
+from eagle_assets.drafter.training.loop import TrainConfig, TrainState, epoch_order, lr_at, train_drafter
 
 VOCAB, LAYERS, PROMPT, LENGTH = 300, 8, 12, 32
 # 10 rows of 32 tokens, 3 rows per 96-token batch: 4 batches per epoch (3, 3, 3, 1 rows), 8 optimizer steps.

@@ -27,10 +27,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle_assets.drafter.export import export_checkpoint, serve_flags
+from eagle_assets.drafter.data.vocab import build_draft_vocab
+from eagle_assets.drafter.eagle3.export import export_checkpoint, serve_flags
+from eagle_assets.drafter.eagle3.model import DraftArchitecture, DrafterConfig, Eagle3DraftModel, RMSNorm
 from eagle_assets.drafter.features.local_capture import run_target
-from eagle_assets.drafter.model import DraftArchitecture, DrafterConfig, Eagle3DraftModel, RMSNorm
-from eagle_assets.drafter.vocab import build_draft_vocab
 from eagle_assets_tests.real_sglang import STUB_DIR, sglang_env
 
 pytestmark = pytest.mark.slow(seconds=40)

@@ -13,10 +13,11 @@ from safetensors.torch import load_file
 from tiny_targets import tiny_qwen3
 from transformers import AutoModelForCausalLM
 
-from eagle_assets.drafter.acceptance import completion_segments, simulate_acceptance
-from eagle_assets.drafter.export import load_drafter, validate_checkpoint
-from eagle_assets.drafter.train import TrainConfig, train_drafter
-from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
+from eagle_assets.drafter.data.rows import completion_segments
+from eagle_assets.drafter.data.vocab import build_draft_vocab, count_completion_tokens
+from eagle_assets.drafter.eagle3.export import load_drafter, validate_checkpoint
+from eagle_assets.drafter.evaluation.acceptance import simulate_acceptance
+from eagle_assets.drafter.training.loop import TrainConfig, train_drafter
 
 VOCAB, LAYERS, PROMPT = 300, 8, 12
 
@@ -225,7 +226,7 @@ def test_simulation_skips_malformed_rows_with_a_note(trained, target, rows):
 
 
 def test_run_length_is_the_smaller_of_the_token_budget_and_the_epoch_cap():
-    from eagle_assets.drafter.recipe import plan_steps
+    from eagle_assets.drafter.training.recipe import plan_steps
 
     per_batch = [400, 400, 200]  # 1000 tokens per epoch in 3 batches (333.3 per batch)
     by_tokens = plan_steps(per_batch, TrainConfig(epochs=None, train_tokens=5000))
@@ -294,7 +295,7 @@ def test_early_stopping_stops_when_tau_stops_improving(target_dir, rows, vocab, 
 
 
 def test_tau_spread_over_rows(trained, target, rows):
-    from eagle_assets.drafter.acceptance import bootstrap_tau, mean_tau_over_groups
+    from eagle_assets.drafter.evaluation.acceptance import bootstrap_tau, mean_tau_over_groups
 
     result, _ = trained
     drafter, vocab = load_drafter(result.checkpoint_dir, target)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eagle_assets.drafter.vocab import (
+from eagle_assets.drafter.data.vocab import (
     build_draft_vocab,
     count_completion_tokens,
     draft_vocab_from_arrays,

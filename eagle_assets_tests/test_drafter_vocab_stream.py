@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_assets.drafter.vocab import count_completion_tokens, count_completion_tokens_in_shards
+from eagle_assets.drafter.data.vocab import count_completion_tokens, count_completion_tokens_in_shards
 from eagle_assets.qc.qc_pass import QC_SCHEMA
 
 

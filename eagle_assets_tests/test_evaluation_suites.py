@@ -87,7 +87,7 @@ def _suite_rows(store: Path, suite: str, mode: str) -> list[tuple[np.ndarray, in
 def _models(store: Path, demo_target: Path):
     from transformers import AutoModelForCausalLM
 
-    from eagle_assets.drafter.export import load_drafter
+    from eagle_assets.drafter.eagle3.export import load_drafter
 
     target = AutoModelForCausalLM.from_pretrained(demo_target, dtype="float32").eval()
     drafter, _ = load_drafter(store / "drafter_checkpoint" / "checkpoint", target)
@@ -222,7 +222,7 @@ def test_thinking_off_is_flagged_while_thinking_on_passes(evaluated):
 def test_overlap_with_training_rows_is_counted(evaluated):
     """Every suite row whose prompt ids are those of a training-split row of the trained partitions."""
     from eagle_assets.catalog import load_catalog
-    from eagle_assets.drafter.splits import row_splits
+    from eagle_assets.drafter.data.splits import row_splits
 
     defs, _trained, result, store = evaluated
     catalog = load_catalog(defs.resources["settings"].catalog_path)

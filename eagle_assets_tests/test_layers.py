@@ -36,7 +36,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("tokenized_prompts",),  # stage 2
     ("generations",),        # stage 3
     ("qc",),                 # stage 4
-    ("drafter",),            # stage 5: draft vocab, training mix, EAGLE-3 training and export
+    ("drafter.data",),       # stage 5: the rows a drafter learns from and is tested on, the draft vocab
+    ("drafter.features",),   #   what the target gives a row: aux hidden states (local or served), the teacher
+    ("drafter.family",),     #   what a drafter family gives training and evaluation, and the registry of families
+    ("drafter.eagle3",),     #   the EAGLE-3 family: Llama / MLA drafts, TTT loss, SGLang export
+    ("drafter.evaluation",), #   acceptance walks, suites, reports, verdicts (the training loop measures with them)
+    ("drafter.training", "drafter"),  # the loop any family plugs into, its recipe, state and launch
     ("exports",),            # stage 6: speculators / SpecForge exports
     ("lineage",),            # input versions, generation fingerprints, code and catalog identity (no Dagster)
     ("assets",),             # Dagster: assets, checks, resources, sensors, schedules
@@ -176,7 +181,8 @@ def test_every_layer_is_a_folder_or_module_of_the_package():
     for names in LAYERS:
         for top in names:
             if top:
-                assert (PACKAGE_DIR / top).is_dir() or (PACKAGE_DIR / f"{top}.py").is_file(), top
+                path = PACKAGE_DIR.joinpath(*top.split("."))
+                assert path.is_dir() or path.with_suffix(".py").is_file(), top
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle_assets.catalog import CatalogError, LiveSpec, MixSpec, Thresholds, load_catalog
-from eagle_assets.drafter.mix import MixCandidate, build_mix
-from eagle_assets.drafter.turn_mix import build_turn_mix, group_name
+from eagle_assets.drafter.data.mix import MixCandidate, build_mix
+from eagle_assets.drafter.data.turn_mix import build_turn_mix, group_name
 from eagle_assets.generations.rollout import TURN_SCHEMA, TurnMonitor
 from eagle_assets.qc.qc_pass import ROWS_SCHEMA
 from eagle_assets.qc.turn_report import format_turn_table, qc_by_turn, turn_length_report

@@ -144,7 +144,7 @@ def test_sglang_aux_capture_gives_the_local_features(runs, target8):
     the same row run by transformers in this process."""
     from eagle_assets.drafter.features.local_capture import run_target
     from eagle_assets.drafter.features.shard_format import FeatureSpec, read_rows, verify_shard
-    from eagle_assets.drafter.train import load_target
+    from eagle_assets.drafter.training.loop import load_target
 
     (stage, _, logs), _, qc_dir = runs
     assert any("features served by http://127.0.0.1:" in m for m in logs), logs

@@ -34,8 +34,8 @@ from eagle_assets.drafter.features.served_client import (
     ServedFeaturesSpec,
 )
 from eagle_assets.drafter.features.shard_format import FeatureShardError, FeatureSpec, content_sha256, verify_shard
-from eagle_assets.drafter.target_weights import read_target_tensor
-from eagle_assets.drafter.ttt_loss import supervision, teacher_positions
+from eagle_assets.drafter.features.target_weights import read_target_tensor
+from eagle_assets.drafter.features.teacher import supervision, teacher_positions
 from eagle_assets.serving.aux_capture import (
     AuxCapture,
     AuxCaptureError,
@@ -277,7 +277,7 @@ def test_topk_teacher_matches_local_logprobs(target8, served, local, rows):
 
 
 def _draft_vocab(rows, vocab_size, size):
-    from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
+    from eagle_assets.drafter.data.vocab import build_draft_vocab, count_completion_tokens
 
     return build_draft_vocab(count_completion_tokens(rows, vocab_size), vocab_size, size)
 
@@ -308,9 +308,9 @@ def test_full_vocab_topk_teacher_is_the_local_teacher(target8, served, local, ro
 
 def test_training_on_served_features_gives_the_local_drafter(target8, served, local, rows):
     """A few TTT optimizer steps from the same seed: local features vs features served over HTTP."""
+    from eagle_assets.drafter.eagle3.model import DrafterConfig, Eagle3DraftModel
+    from eagle_assets.drafter.eagle3.ttt_loss import ttt_loss
     from eagle_assets.drafter.features.local_cache import make_batches, pad, prepare_rows
-    from eagle_assets.drafter.model import DrafterConfig, Eagle3DraftModel
-    from eagle_assets.drafter.ttt_loss import ttt_loss
 
     V = _vocab(local)
     vocab = _draft_vocab(rows, V, 256)

@@ -32,12 +32,12 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from eagle_assets.catalog import FeaturesSpec, TrainingSpec
-from eagle_assets.drafter import train as train_module
+from eagle_assets.drafter.data.vocab import build_draft_vocab, count_completion_tokens
 from eagle_assets.drafter.features.local_cache import prepare_rows
 from eagle_assets.drafter.features.source import ServedFeatures, feature_source
-from eagle_assets.drafter.recipe import TrainConfig
-from eagle_assets.drafter.train import train_drafter
-from eagle_assets.drafter.vocab import build_draft_vocab, count_completion_tokens
+from eagle_assets.drafter.training import loop as train_module
+from eagle_assets.drafter.training.loop import train_drafter
+from eagle_assets.drafter.training.recipe import TrainConfig
 from eagle_assets.serving.server import serve_in_thread
 from eagle_assets_tests.dagster_runs import materialize_training
 

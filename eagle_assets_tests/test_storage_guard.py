@@ -30,8 +30,8 @@ import yaml
 from eagle_assets.catalog import load_catalog
 from eagle_assets.cli import failure_lines
 from eagle_assets.definitions import build_definitions
-from eagle_assets.drafter.stage import draft_vocab_stage
-from eagle_assets.drafter.suite_eval import EvaluationReport, Gate, write_report
+from eagle_assets.drafter.data.stage import draft_vocab_stage
+from eagle_assets.drafter.evaluation.suites import EvaluationReport, Gate, write_report
 from eagle_assets.generations.run import (
     GENERATION_SCHEMA,
     LOCK_FILE,

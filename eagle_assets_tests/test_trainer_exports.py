@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from eagle_assets.definitions import build_definitions
-from eagle_assets.drafter.splits import is_holdout, mixed_training_rows
+from eagle_assets.drafter.data.splits import is_holdout, mixed_training_rows
 from eagle_assets.exports import SPECFORGE, SPECULATORS, ExportError, export_mixed_rows, verify_export
 from eagle_assets.qc.qc_pass import QC_SCHEMA
 from eagle_assets.qc.status import QC_STATUS_FILE

@@ -1,5 +1,5 @@
 """Asset ``evaluation`` (checks ``tau_<suite>_<mode>``, one per suite x thinking mode): the trained drafter measured
-per suite (``drafter.suite_eval``), reported in the UI and under ``<storage root>/<catalog>/evaluation/``."""
+per suite (``drafter.evaluation.suites``), reported in the UI and under ``<storage root>/<catalog>/evaluation/``."""
 
 import dagster as dg
 
@@ -20,9 +20,9 @@ def evaluation(context: dg.AssetExecutionContext, settings: dg.ResourceParam[Pip
     """Acceptance per suite and thinking mode: tau at each k, greedy and at the suite's temperature, by position."""
     from transformers import AutoModelForCausalLM
 
-    from eagle_assets.drafter.export import load_drafter
-    from eagle_assets.drafter.stage import stored_draft_vocab
-    from eagle_assets.drafter.suite_eval import evaluate_suites, write_report
+    from eagle_assets.drafter.data.stage import stored_draft_vocab
+    from eagle_assets.drafter.evaluation.suites import evaluate_suites, write_report
+    from eagle_assets.drafter.family import family_of_checkpoint
     from eagle_assets.figures.plots import png_markdown
 
     catalog, layout = settings.catalog(), settings.layout()
@@ -39,7 +39,7 @@ def evaluation(context: dg.AssetExecutionContext, settings: dg.ResourceParam[Pip
     with stage_writer(layout, "evaluation") as out:
         keys, vocab, _ = stored_draft_vocab(layout)
         target_model = AutoModelForCausalLM.from_pretrained(target.resolve(), dtype="float32").eval()
-        drafter, _ = load_drafter(checkpoint, target_model)
+        drafter, _ = family_of_checkpoint(checkpoint).load(checkpoint, target_model)
         with torch_threads(t.threads):
             report = evaluate_suites(catalog, layout, target_model, drafter, vocab, keys, context.log.info)
         for suite, why in report.missing.items():

@@ -9,7 +9,7 @@ merges over the step's ``dagster-k8s/config`` op tags: ``K8sStepHandler._get_con
 - ``drafter_checkpoint``: GPUs (``nvidia.com/gpu``), a memory-backed ``/dev/shm``, the GPU taint tolerated: one
   for the inline trainer, ``training.nproc_per_node`` with ``training.launcher: torchrun`` (one per rank, with
   :data:`CPU_PER_GPU` CPUs and :data:`MEMORY_GI_PER_GPU` GiB each; :func:`training_gpus`). The built-in trainer
-  computes on CPU today (``eagle_assets.drafter.distributed``), so what its processes use is the CPUs.
+  computes on CPU today (``eagle_assets.drafter.training.distributed``), so what its processes use is the CPUs.
 - ``generations``: GPUs only when the catalog launches SGLang in the step (``server.url`` null, ``launch: sglang``),
   as many as the server's ``--tp`` x ``--dp`` in ``server.extra_args``; an HTTP client on CPU when it connects to a
   fleet (``server.url``) or launches the embedded CPU server. The pod gets the API key, when the catalog names

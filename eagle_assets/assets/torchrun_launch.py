@@ -5,7 +5,7 @@ The step writes the rows it chose (the training mix, the validation split), the 
 :class:`~eagle_assets.drafter.recipe.TrainConfig` to ``drafter_checkpoint/train_inputs/``
 (:func:`~eagle_assets.drafter.train_command.write_training_inputs`), then runs::
 
-    python -m torch.distributed.run --standalone --nproc_per_node N -m eagle_assets.drafter.train_command \\
+    python -m torch.distributed.run --standalone --nproc_per_node N -m eagle_assets.drafter.training.command \\
         --target MODEL --inputs .../train_inputs --out .../checkpoint --state-dir .../train_state
 
 with ``dagster.PipesSubprocessClient``: rank 0 opens ``dagster_pipes.open_dagster_pipes()`` and sends its log
@@ -32,7 +32,7 @@ from typing import Sequence
 
 import dagster as dg
 
-COMMAND_MODULE = "eagle_assets.drafter.train_command"
+COMMAND_MODULE = "eagle_assets.drafter.training.command"
 
 
 def torchrun_command(nproc_per_node: int, target_dir: Path, inputs: Path, out: Path, state_dir: Path) -> list[str]:
@@ -55,7 +55,7 @@ def train_with_torchrun(context: dg.AssetExecutionContext, target_dir: Path, row
     Raises:
         dagster.DagsterPipesExecutionError: the command failed (its stderr is in the step's compute logs).
     """
-    from eagle_assets.drafter.train_command import train_result_from_dict, write_training_inputs
+    from eagle_assets.drafter.training.command import train_result_from_dict, write_training_inputs
 
     inputs = write_training_inputs(stage / "train_inputs", rows, validation, config, vocab_dir, features=features)
     out = stage / "checkpoint"

@@ -1,10 +1,9 @@
 """Assets ``draft_vocab``, ``training_mix`` and ``drafter_checkpoint`` (checks ``export_contract``,
-``acceptance_length``): each asks the drafter stage (``drafter.stage``, ``drafter.train``,
-``drafter.checkpoint_eval``) and reports its figures."""
+``acceptance_length``): each asks the drafter stage (``drafter.data.stage``, ``drafter.training.loop``,
+``drafter.evaluation.verdict``) and reports its figures."""
 
 import time
 from collections.abc import Callable
-from concurrent.futures import wait as futures_wait
 from contextlib import contextmanager
 from typing import Any
 
@@ -17,8 +16,8 @@ from eagle_assets.assets.locking import stage_writer
 from eagle_assets.assets.provenance import write_provenance
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.server_resource import SGLangServerResource
-from eagle_assets.drafter.splits import MixError, load_split_rows, mixed_training_rows
-from eagle_assets.drafter.stage import draft_vocab_stage, stored_draft_vocab, training_mix_stage
+from eagle_assets.drafter.data.splits import MixError, load_split_rows, mixed_training_rows
+from eagle_assets.drafter.data.stage import draft_vocab_stage, stored_draft_vocab, training_mix_stage
 from eagle_assets.qc.status import passing_datasets
 from eagle_assets.storage.guard import refuse_symlink
 from eagle_assets.storage.shards import write_bytes_atomic, write_json_atomic
@@ -60,7 +59,7 @@ def draft_vocab(context: dg.AssetExecutionContext, settings: dg.ResourceParam[Pi
 def training_mix(context: dg.AssetExecutionContext,
                  settings: dg.ResourceParam[PipelineSettings]) -> dg.MaterializeResult:
     """Rows the drafter trains on: a token budget split by partition weights, with caps on short-row buckets."""
-    from eagle_assets.drafter.mix import mix_table_markdown
+    from eagle_assets.drafter.data.mix import mix_table_markdown
     from eagle_assets.figures.plots import png_markdown
 
     with stage_writer(settings.layout(), "training_mix"):  # one writer of the mix's folder at a time, taken first
@@ -91,23 +90,15 @@ def training_mix(context: dg.AssetExecutionContext,
 
 
 def _train(context, catalog, model_dir, out, features, rows, validation, vocab, vocab_dir):
-    """Train the drafter (inline, or data-parallel under torchrun through Dagster Pipes) while the unseen-source
-    rows are decoded beside it; ``(TrainResult, future of the unseen rows or None)``.
-
-    The tiny drafter trains on ``training.threads`` threads, leaving a core to the target's greedy decoding. The
-    count stays at ``training.threads`` until that decoding is done, so the rows do not depend on which of the two
-    finishes first. The training state lives beside the checkpoint: a run killed mid-training goes on from its last
-    saved step and ends with the weights an unbroken run would have."""
-    from eagle_assets.drafter.checkpoint_eval import unseen_rows_in_background
-    from eagle_assets.drafter.recipe import config_from_catalog
-    from eagle_assets.drafter.train import train_drafter
+    """Train the drafter (inline, or data-parallel under torchrun through Dagster Pipes) on ``training.threads``
+    threads; the ``TrainResult``. The training state lives beside the checkpoint: a run killed mid-training goes on
+    from its last saved step and ends with the weights an unbroken run would have."""
+    from eagle_assets.drafter.training.loop import train_drafter
+    from eagle_assets.drafter.training.recipe import config_from_catalog
 
     t = catalog.training
     config = config_from_catalog(t)
-    unseen_log: list[str] = []
     with torch_threads(t.threads):
-        unseen_early = (unseen_rows_in_background(catalog, model_dir, out, unseen_log.append)
-                        if features.source != "served" else None)
         if t.launcher == "torchrun":
             from eagle_assets.assets.torchrun_launch import train_with_torchrun
 
@@ -117,15 +108,13 @@ def _train(context, catalog, model_dir, out, features, rows, validation, vocab, 
             result = train_drafter(model_dir, rows, vocab, config, out / "checkpoint",
                                    log=_bounded_log(context.log.info), state_dir=out / "train_state",
                                    validation_rows=validation, features=features)
-        if unseen_early is not None:
-            futures_wait([unseen_early])  # its result (or error) is read where the figure is computed
-    for line in unseen_log + list(result.notes):  # logged here: the Dagster log belongs to the step's thread
+    for line in result.notes:
         context.log.info(line)
-    return result, unseen_early
+    return result
 
 
 def _training_metadata(result, png: bytes, train_rows: int, held_rows: int, keys: list[str]) -> dict:
-    from eagle_assets.drafter.learning_curve import curve_table
+    from eagle_assets.drafter.training.learning_curve import curve_table
     from eagle_assets.figures.plots import png_markdown
 
     losses = [s.loss for s in result.steps]
@@ -161,11 +150,11 @@ def _training_metadata(result, png: bytes, train_rows: int, held_rows: int, keys
 
 
 def _export_check(checkpoint) -> dg.AssetCheckResult:
-    from eagle_assets.drafter.export import CheckpointError, validate_checkpoint
+    from eagle_assets.drafter.family import family_of_checkpoint
 
     try:
-        report = validate_checkpoint(checkpoint)
-    except CheckpointError as exc:
+        report = family_of_checkpoint(checkpoint).validate(checkpoint)
+    except ValueError as exc:  # the family's CheckpointError, or no family claims the export
         return dg.AssetCheckResult(check_name="export_contract", passed=False,
                                    severity=dg.AssetCheckSeverity.ERROR, description=str(exc))
     return dg.AssetCheckResult(check_name="export_contract", passed=True,
@@ -175,15 +164,15 @@ def _export_check(checkpoint) -> dg.AssetCheckResult:
 def train_and_evaluate(context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel,
                        sglang: SGLangServerResource, full_asset_graph: Callable[[], Any] | None = None):
     """The body of ``drafter_checkpoint``: train on the training mix, export, check the export, simulate
-    acceptance on the held-out rows and the unseen source (see :func:`build_training_assets`).
+    acceptance on the held-out rows (see :func:`build_training_assets`).
 
     Raises ``SymlinkRefusedError`` when a folder it writes under ``drafter_checkpoint/`` is a symbolic link
     (``drafter_checkpoint`` runs it inside ``assets.locking.stage_writer``, which makes that a ``dg.Failure``)."""
-    from eagle_assets.drafter.checkpoint_eval import evaluate_checkpoint
-    from eagle_assets.drafter.evaluation import acceptance_png
-    from eagle_assets.drafter.export import load_drafter
+    from eagle_assets.drafter.evaluation.heldout import acceptance_png
+    from eagle_assets.drafter.evaluation.verdict import evaluate_checkpoint
+    from eagle_assets.drafter.family import family_of_checkpoint
     from eagle_assets.drafter.features.source import ServedFeatures, resolve_features
-    from eagle_assets.drafter.learning_curve import curve_png
+    from eagle_assets.drafter.training.learning_curve import curve_png
 
     catalog, layout = settings.catalog(), settings.layout()
     t = catalog.training
@@ -198,7 +187,7 @@ def train_and_evaluate(context: dg.AssetExecutionContext, settings: PipelineSett
     held = sorted(load_split_rows(layout, catalog, keys, "test"), key=lambda r: (r[3], r[0]))
     model_dir = target.resolve()
     out = layout.stage_dir("drafter_checkpoint")
-    for sub in ("checkpoint", "train_state", "train_inputs", "features", "unseen_eval"):
+    for sub in ("checkpoint", "train_state", "train_inputs", "features"):
         refuse_symlink(out / sub)  # cleared, replaced or rewritten below: never through a link
     context.log.info(f"training on {len(rows)} rows of {keys}; {len(validation)} validation rows steer it, "
                      f"{len(held)} test rows are held out")
@@ -207,9 +196,8 @@ def train_and_evaluate(context: dg.AssetExecutionContext, settings: PipelineSett
     features = resolve_features(t.features, model_dir, out / "features", t.aux_layer_ids, t.max_length,
                                 lambda capture: sglang.base_urls(str(model_dir), aux_capture=capture),
                                 sglang.api_key_env)
-    result, unseen_early = _train(context, catalog, model_dir, out, features,
-                                  [(i, m) for _s, i, m, _k in rows], [(i, m) for _s, i, m, _k in validation],
-                                  vocab, vocab_dir)
+    result = _train(context, catalog, model_dir, out, features, [(i, m) for _s, i, m, _k in rows],
+                    [(i, m) for _s, i, m, _k in validation], vocab, vocab_dir)
     write_provenance(context, settings, result.checkpoint_dir, fallback_graph=full_asset_graph)
     write_json_atomic(result.to_dict(), out / "training_metrics.json")
     best = result.best_step if result.best_step >= 0 else (result.curve[-1].step if result.curve else None)
@@ -217,8 +205,8 @@ def train_and_evaluate(context: dg.AssetExecutionContext, settings: PipelineSett
     write_bytes_atomic(png, out / "learning_curve.png")
     yield dg.MaterializeResult(metadata=_training_metadata(result, png, len(rows), len(held), keys))
     yield _export_check(result.checkpoint_dir)
-    # served: the target does not fit here; its config and embedding only, every feature, greedy id, re-run and
-    # unseen-source generation a request to the features server(s)
+    # served: the target does not fit here; its config and embedding only, every feature, greedy id and re-run a
+    # request to the features server(s)
     served = ServedFeatures(model_dir, features, context.log.info) if features.source == "served" else None
     if served is None:
         from transformers import AutoModelForCausalLM
@@ -226,17 +214,14 @@ def train_and_evaluate(context: dg.AssetExecutionContext, settings: PipelineSett
         target_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     else:
         target_model = served.target
-    drafter, _ = load_drafter(result.checkpoint_dir, target_model)
+    drafter, _ = family_of_checkpoint(result.checkpoint_dir).load(result.checkpoint_dir, target_model)
     with torch_threads(t.threads):
-        measured = evaluate_checkpoint(catalog, target_model, drafter, vocab, held, keys, model_dir,
-                                       out / "unseen_eval", context.log.info, unseen_early, served)
-    if measured.unseen_note:
-        context.log.warning(measured.unseen_note)
+        measured = evaluate_checkpoint(catalog, target_model, drafter, vocab, held, keys, served)
     if served is not None and served.source is not None:
         context.log.info(f"acceptance from served features: {served.source.stats.to_dict()}")
     context.log.info(f"acceptance simulated in {measured.seconds:.1f}s")
-    yield acceptance_check(t, measured.heldout, measured.unseen, measured.missing, acceptance_png,
-                           measured.unseen_note, measured.by_mode, drafter=drafter.config.describe())
+    yield acceptance_check(t, measured.heldout, measured.missing, acceptance_png, measured.by_mode,
+                           drafter=drafter.config.describe())
 
 
 def build_training_assets(full_asset_graph: Callable[[], Any] | None = None) -> list:

@@ -11,10 +11,11 @@ Shape (see catalogs/default.yaml)::
                tool_result_match, chunks}
     training: {draft_vocab_size, ttt_steps, epochs, train_tokens, lr, schedule, warmup_steps, max_length,
                batch_tokens, seed, save_every_steps, holdout_fraction | holdout_rows, validation_rows,
-               eval_every_tokens, patience, min_delta, aux_layer_ids, acceptance..., unseen_eval: {...}, mix: {...},
+               eval_every_tokens, patience, min_delta, aux_layer_ids, acceptance..., mix: {...},
                features: local | served | {source, url, teacher, top_k, cache, ...}}
     evaluation: {k: [1..8], heldout, position_buckets, bootstrap, suites: {<name>: {description, sources, thinking:
                on | off | both | default, sampling, limit, max_turns, thresholds, tau_warn, min_tau_margin}}}
+    (a legacy ``training.unseen_eval`` becomes the suite ``unseen``: ``load.unseen_eval_as_suite``)
 
 Each entry under ``partitions`` is a *dataset*. A dataset is one Dagster partition, or, with ``chunks: N`` (N > 1),
 N partitions ``<dataset>.c00`` .. ``<dataset>.c{N-1}`` (:func:`chunk_keys`), each a run of its own over the rows a

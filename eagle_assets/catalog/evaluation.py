@@ -5,7 +5,7 @@ A suite is a dataset the drafter never trains on. It runs as the Dagster partiti
 (:func:`suite_partition_key`) through the same stages as a training dataset: its prompts rendered with the
 serving chat template and its generation suffix, every turn answered on-policy by the target (``all_turns``: a
 multi-turn suite such as MT-bench asks its later turns after the model's own replies), token-structure QC. The
-``evaluation`` asset (``eagle_assets.drafter.suite_eval``) then reads its QC rows.
+``evaluation`` asset (``eagle_assets.drafter.evaluation.suites``) then reads its QC rows.
 """
 
 from __future__ import annotations

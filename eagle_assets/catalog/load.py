@@ -43,6 +43,7 @@ class Catalog(StrictModel):
     evaluation: EvaluationSpec | None = None
 
     _path: Path | None = PrivateAttr(default=None)
+    _notes: list[str] = PrivateAttr(default_factory=list)
     _suites: dict[str, PartitionSpec] | None = PrivateAttr(default=None)
 
     @field_validator("partitions")
@@ -84,7 +85,7 @@ class Catalog(StrictModel):
         a partition whose ``sampling.max_new_tokens`` is below its ``thresholds.short_tokens`` can only produce
         rows the ``response_length`` check counts as short; an API key sent over plain ``http://`` to a host that
         is not this machine (:func:`cleartext_key_urls`)."""
-        out = []
+        out = list(self._notes)
         features = self.training.features
         for where, urls, key_env in (("server.url", self.server.urls, self.server.api_key_env),
                                      ("training.features.url", features.urls,
@@ -295,11 +296,13 @@ def load_catalog(path: str | Path) -> Catalog:
                            f"expected a mapping with target/server/partitions/training, got {type(raw).__name__}",
                            "see catalogs/default.yaml")
     raw = _expand_env(raw, "", file)
+    raw, note = unseen_eval_as_suite(raw, file)
     try:
         catalog = Catalog.model_validate(raw)
     except ValidationError as e:
         raise _catalog_error(file, e) from None
     catalog._path = file
+    catalog._notes = [note] if note else []
     for key, spec in catalog.partitions.items():
         spec._base_dir = file.parent
         spec._key = key
@@ -339,3 +342,59 @@ def cleartext_key_urls(urls: list[str], api_key_env: str | None) -> list[str]:
         if parts.scheme.lower() == "http" and not local:
             out.append(url)
     return out
+
+
+#: the suite a legacy ``training.unseen_eval`` becomes
+UNSEEN_SUITE = "unseen"
+
+
+def unseen_eval_as_suite(raw: dict, file: Path) -> tuple[dict, str | None]:
+    """``raw`` (a catalog as read) with a legacy ``training.unseen_eval`` turned into the evaluation suite
+    :data:`UNSEEN_SUITE` (partition ``eval-unseen``), and the note that says so (None when there was none).
+
+    The suite keeps its sources, description, limit and prompt cap; its replies are greedy (``temperature: 0``,
+    the old figure's decoding) with ``max_new_tokens``, ``thinking`` from ``enable_thinking`` (null = the template's
+    default), and every user turn is answered (suites use ``all_turns``; for one-turn sources the same prompts). A
+    suite that already reads the same sources measures them: then the old key is only dropped.
+
+    Raises:
+        CatalogError: the legacy spec is invalid, or ``evaluation.suites`` already has a different suite named
+            :data:`UNSEEN_SUITE`.
+    """
+    from eagle_assets.catalog.training import UnseenEvalSpec
+
+    training = raw.get("training")
+    if not isinstance(training, dict) or "unseen_eval" not in training:
+        return raw, None
+    training = dict(training)
+    old = training.pop("unseen_eval")
+    raw = {**raw, "training": training}
+    if old is None:
+        return raw, None
+    try:
+        spec = UnseenEvalSpec.model_validate(old)
+    except ValidationError as e:
+        inner = _catalog_error(file, e)
+        raise CatalogError(file, f"training.unseen_eval.{inner.field}", inner.problem,
+                           f"fix it, or better move it under evaluation.suites ({UNSEEN_SUITE}: ...)") from None
+    evaluation = dict(raw.get("evaluation") or {})
+    suites = dict(evaluation.get("suites") or {})
+    sources = [s.model_dump(mode="json") for s in spec.sources]
+    same = [name for name, suite in suites.items()
+            if isinstance(suite, dict) and [dict(s) for s in suite.get("sources") or []] == sources]
+    if same:
+        return raw, (f"training.unseen_eval is measured by the evaluation suite {same[0]} (same sources) and was "
+                     "dropped: remove it from the catalog")
+    if UNSEEN_SUITE in suites:
+        raise CatalogError(file, "training.unseen_eval",
+                           f"it becomes the evaluation suite {UNSEEN_SUITE!r}, and evaluation.suites already has one",
+                           "move training.unseen_eval under evaluation.suites yourself, under another name")
+    suite = {"description": spec.description or "prompts from a source the drafter never trains on (was "
+                                                  "training.unseen_eval)",
+             "sources": sources, "thinking": {True: "on", False: "off", None: "default"}[spec.enable_thinking],
+             "sampling": {"max_new_tokens": spec.max_new_tokens, "temperature": 0.0},
+             "limit": spec.limit, "max_prompt_tokens": spec.max_prompt_tokens}
+    raw["evaluation"] = {**evaluation, "suites": {**suites, UNSEEN_SUITE: suite}}
+    return raw, (f"training.unseen_eval is now the evaluation suite {UNSEEN_SUITE!r} (partition "
+                 f"eval-{UNSEEN_SUITE}: its prompts go through the same stages as training data and the evaluation "
+                 "asset measures them); move it under evaluation.suites to silence this note")

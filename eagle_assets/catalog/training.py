@@ -3,14 +3,12 @@ acceptance evaluations."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from eagle_assets.catalog.base import CatalogError, StrictModel
+from eagle_assets.catalog.base import StrictModel
 from eagle_assets.catalog.partitions import SourceSpec, check_http_urls
-from eagle_assets.formats import resolve_format
 
 
 class BucketCap(StrictModel):
@@ -22,13 +20,13 @@ class BucketCap(StrictModel):
 
 
 class MixSpec(StrictModel):
-    """The ``training_mix`` asset: which QC rows the drafter trains on (see ``drafter.mix``).
+    """The ``training_mix`` asset: which QC rows the drafter trains on (see ``drafter.data.mix``).
 
     ``mode``: "balanced" (per-partition weights and length-bucket caps) or "concat" (rows of every partition in
     catalog order until the budget is spent: the unbalanced baseline). ``token_budget``: completion (loss) tokens
     of the mix; null = every training row's tokens. ``weights``: relative token share per partition key (missing
     keys weigh 1.0). ``bucket_caps``: caps on the share of tokens from short rows. ``seed``: row order.
-    ``turn_weights``: {turn index: weight} for ``all_turns`` partitions (``drafter.turn_mix``).
+    ``turn_weights``: {turn index: weight} for ``all_turns`` partitions (``drafter.data.turn_mix``).
     """
 
     mode: Literal["balanced", "concat"] = "balanced"
@@ -49,12 +47,9 @@ class MixSpec(StrictModel):
 
 
 class UnseenEvalSpec(StrictModel):
-    """Prompts from a source the drafter never trains on, for a second acceptance figure.
-
-    The ``drafter_checkpoint`` asset renders them with the target's chat template (as ``tokenized_prompts`` does),
-    generates greedily with the local target (``max_new_tokens`` each, stopping at the target's stop ids) and
-    simulates chain drafting on the result; the generations are cached beside the checkpoint.
-    """
+    """The legacy ``training.unseen_eval`` (prompts from a source the drafter never trains on), read only to turn it
+    into the evaluation suite ``unseen`` (``catalog.load.unseen_eval_as_suite``): suites measure unseen prompts the
+    honest way, through the same stages as training data (serving template, on-policy replies, QC)."""
 
     description: str = ""
     sources: list[SourceSpec] = Field(min_length=1)
@@ -63,26 +58,6 @@ class UnseenEvalSpec(StrictModel):
     max_new_tokens: int = Field(256, gt=0)
     limit: int | None = Field(32, gt=0)
     max_prompt_tokens: int | None = Field(2048, gt=0)
-
-    def resolved_sources(self, catalog_file: Path | None) -> list[tuple[Path, str]]:
-        """``[(absolute path, canonical format name)]``; relative paths resolve against ``catalog_file``'s directory.
-
-        Raises:
-            CatalogError: a source file does not exist.
-        """
-        out = []
-        base = Path(catalog_file).parent if catalog_file is not None else Path(".")
-        for i, src in enumerate(self.sources):
-            p = Path(src.path).expanduser()
-            p = (p if p.is_absolute() else base / p).resolve()
-            if not p.is_file():
-                raise CatalogError(
-                    catalog_file or "<catalog>", f"training.unseen_eval.sources[{i}].path",
-                    f"file {p} does not exist",
-                    "fix the path (relative paths resolve against the catalog file's directory) or remove unseen_eval",
-                )
-            out.append((p, resolve_format(src.format)))
-        return out
 
 
 class FeaturesSpec(StrictModel):
@@ -138,7 +113,7 @@ class FeaturesSpec(StrictModel):
 
 
 class DrafterSpec(StrictModel):
-    """``training.drafter``: which EAGLE-3 drafter is trained and exported (``drafter.model.DraftArchitecture``).
+    """``training.drafter``: which EAGLE-3 drafter is trained and exported (``drafter.eagle3.model.DraftArchitecture``).
 
     ``architecture``: ``auto`` (``mla`` for a multi-latent-attention target: DeepSeek-V3/R1, Kimi-K2.x; ``llama``
     otherwise), ``llama`` (SGLang ``LlamaForCausalLMEagle3``) or ``mla`` (``Eagle3DeepseekV2ForCausalLM``, as the
@@ -175,8 +150,8 @@ class DrafterSpec(StrictModel):
 class TrainingSpec(StrictModel):
     """Drafter training settings (EAGLE-3 defaults: 7 TTT steps, 32k draft vocab).
 
-    The run length is ``train_tokens`` capped at ``epochs`` passes (see ``eagle_assets.drafter.recipe``, which also
-    gives recommended values per target class). Held-out rows (``drafter.splits.row_splits``): per partition a
+    The run length is ``train_tokens`` capped at ``epochs`` passes (see ``eagle_assets.drafter.training.recipe``, which
+    also gives recommended values per target class). Held-out rows (``drafter.data.splits.row_splits``): per partition a
     ``holdout_fraction`` share by keyed hash, at most ``holdout_rows``, never trained on; ``validation_rows`` of them
     give the learning curve and early stopping, the rest are the ``acceptance_length`` check's test rows.
     """
@@ -201,7 +176,6 @@ class TrainingSpec(StrictModel):
     acceptance_max_positions: int | None = Field(None, gt=0)  # verification points per partition (null = all rows)
     min_tau_margin: float = Field(0.05, ge=0)  # ERROR when mean held-out tau <= 1 + margin
     tau_warn: float = Field(1.5, ge=1)  # WARN under this mean held-out tau
-    unseen_eval: UnseenEvalSpec | None = None
     warmup_steps: int | None = Field(None, ge=0)  # linear warm-up steps; null = 5% of all steps, 0 = none
     schedule: Literal["cosine", "constant"] = "cosine"  # learning rate after warm-up
     # Resumable training: a state (weights, AdamW moments, position) every this many steps and at each epoch end.
@@ -211,8 +185,8 @@ class TrainingSpec(StrictModel):
     # each other at every op.
     threads: int | None = Field(None, gt=0)
     # How drafter_checkpoint runs the trainer: inline (in the step's process) or torchrun (the training command in
-    # nproc_per_node data-parallel processes, through Dagster Pipes; eagle_assets.drafter.train_command). The weights
-    # do not depend on it (up to float rounding: eagle_assets.drafter.distributed).
+    # nproc_per_node data-parallel processes, through Dagster Pipes; eagle_assets.drafter.training.command). The weights
+    # do not depend on it (up to float rounding: eagle_assets.drafter.training.distributed).
     launcher: Literal["inline", "torchrun"] = "inline"
     nproc_per_node: int = Field(1, gt=0)
     mix: MixSpec = Field(default_factory=MixSpec)

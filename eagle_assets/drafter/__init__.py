@@ -1,53 +1,24 @@
-"""EAGLE-3 drafter: draft vocab, target features, model + TTT training, SGLang export/validation, simulated tau.
+"""Stage 5: the drafter, in rooms by concern, in the order the data passes through them.
 
-Domain code only (no Dagster). Formats follow SGLang ``python/sglang/srt/models/llama_eagle3.py`` (and
-``kimi_k25_eagle3.py`` for MLA drafts; docs/drafters.md) and the EAGLE-3
-paper (arXiv 2503.01840); training follows SpecForge's TTT recipe (``specforge/algorithms/eagle3/model.py``).
+- ``data/``: which QC rows the drafter trains and is tested on (``splits``, ``mix``, ``turn_mix``), the draft vocab
+  (``vocab``: ``d2t``/``t2d``) and the Dagster-free bodies of ``draft_vocab`` and ``training_mix`` (``stage``).
+- ``features/``: what the target gives the drafter for a row: aux hidden states captured locally
+  (``local_capture``, ``local_cache``) or served by SGLang (``served_client``, ``served_cache``, ``shard_format``),
+  behind one ``source``; the teacher signal (``teacher``: teacher positions, the target's distribution, soft
+  cross-entropy) and the target's own weights (``target_weights``).
+- ``family``: what a drafter family gives the training loop and the evaluation (:class:`~eagle_assets.drafter.family.
+  DraftFamily`: build the model, the loss of a batch, export, load, draft for evaluation) and the registry of
+  families by name (one entry per family folder).
+- ``eagle3/``: the EAGLE-3 family (Llama and MLA drafts, EAGLE-3.1 switches; the TTT loss; the SGLang export).
+- ``evaluation/``: acceptance as SGLang verifies drafts (``acceptance``: the greedy walk; ``sampled``: the exact
+  expectation at a temperature), the held-out groups (``heldout``), the suites and their report (``suites``) and the
+  ``acceptance_length`` verdict (``verdict``).
+- ``training/``: the loop any family plugs into (``loop``), its recipe and step plan (``recipe``), resumable state
+  (``state``), data parallelism (``distributed``), the learning curve and the torchrun entry point (``command``).
+
+Evaluation sits below training: the loop measures validation tau with the evaluation's walk. Domain code only (no
+Dagster). Formats follow SGLang ``python/sglang/srt/models/llama_eagle3.py`` (and ``kimi_k25_eagle3.py`` for MLA
+drafts; docs/drafters.md) and the EAGLE-3 paper (arXiv 2503.01840); training follows SpecForge's TTT recipe
+(``specforge/algorithms/eagle3/model.py``); the family-as-folder layout follows SpecForge 0.2.0's
+``specforge/modeling/draft/<family>.py`` + ``registry.py``, without its provider indirection.
 """
-
-from importlib import import_module
-
-# Each public name -> its module, imported on first use (PEP 562): the Dagster code server, the run workers and the
-# CLI import this package for its torch-free modules (splits, stage, vocab), and importing torch with it cost each
-# of those processes 1.0-1.4 s of CPU.
-_EXPORTS = {
-    "AcceptanceResult": "acceptance",
-    "aux_layer_ids": "features.local_capture",
-    "build_draft_vocab": "vocab",
-    "capture_to_layer_output_ids": "features.local_capture",
-    "CheckpointError": "export",
-    "CheckpointReport": "export",
-    "count_completion_tokens": "vocab",
-    "draft_vocab_from_arrays": "vocab",
-    "DraftArchitecture": "model",
-    "drafter_config_json": "export",
-    "drafter_rows": "train",
-    "DrafterConfig": "model",
-    "DraftVocab": "vocab",
-    "Eagle3DraftModel": "model",
-    "EXPECTED_KEYS": "export",
-    "export_checkpoint": "export",
-    "layer_output_to_capture_ids": "features.local_capture",
-    "load_drafter": "export",
-    "run_target": "features.local_capture",
-    "serve_flags": "export",
-    "simulate_acceptance": "acceptance",
-    "StepMetrics": "train",
-    "target_features": "features.local_capture",
-    "teacher_positions": "train",
-    "train_drafter": "train",
-    "TrainConfig": "train",
-    "TrainResult": "train",
-    "validate_checkpoint": "export",
-    "validate_draft_vocab": "vocab",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value

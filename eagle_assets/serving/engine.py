@@ -208,7 +208,7 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
     (``layers/sampler.py``: temperature, then ``top_k_top_p_min_p_sampling_from_probs``) and the probabilities its
     speculative verification reads (``speculative/eagle_info.py``: ``softmax(logits / T)``, ``top_k_renorm_prob``,
     ``top_p_renorm_prob``). The embedded server samples from it and the evaluation's sampled acceptance
-    (``drafter.sampled_acceptance``) reads it.
+    (``drafter.evaluation.sampled``) reads it.
 
     Raises:
         ValueError: ``temperature`` <= 0 (a greedy request takes the argmax; it has no distribution here).

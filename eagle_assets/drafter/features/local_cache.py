@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from eagle_assets.drafter.features.local_capture import head_argmax, run_target
-from eagle_assets.drafter.ttt_loss import teacher_positions
+from eagle_assets.drafter.features.teacher import teacher_positions
 
 Row = tuple[np.ndarray, np.ndarray]
 

@@ -24,7 +24,7 @@ from eagle_assets.drafter.features.shard_format import (
     verify_shard,
     write_shard,
 )
-from eagle_assets.drafter.ttt_loss import Supervision
+from eagle_assets.drafter.features.teacher import Supervision
 
 
 def served_features(

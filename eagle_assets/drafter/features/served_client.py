@@ -58,7 +58,7 @@ from eagle_assets.drafter.features.shard_format import (
     FeatureSpec,
     RowFeatures,
 )
-from eagle_assets.drafter.ttt_loss import teacher_positions
+from eagle_assets.drafter.features.teacher import teacher_positions
 from eagle_assets.serving.aux_capture import (
     AuxCapture,
     capture_convention,

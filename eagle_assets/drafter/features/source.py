@@ -10,10 +10,10 @@
   (:class:`~eagle_assets.drafter.features.served_client.ServedFeatureSource` +
   :class:`~eagle_assets.drafter.features.served_cache.ServedFeatureCache`); the learning curve's simulated acceptance
   reads the target's greedy ids from the same replies and asks the server for the exact re-runs (one
-  ``max_new_tokens: 1`` request each). The ``acceptance_length`` check and the unseen-source rows use the same
-  server (:meth:`ServedFeatures.acceptance_rows`, :class:`ServedAcceptanceFeatures`,
-  :meth:`ServedFeatures.generate_client`), and in a ``torchrun`` run each rank fetches only the rows it trains on
-  (:meth:`ServedFeatures.admit`). docs/served_features.md describes the protocol and the costs.
+  ``max_new_tokens: 1`` request each). The ``acceptance_length`` check uses the same server
+  (:meth:`ServedFeatures.acceptance_rows`, :class:`ServedAcceptanceFeatures`), and in a ``torchrun`` run each rank
+  fetches only the rows it trains on (:meth:`ServedFeatures.admit`). docs/served_features.md describes the protocol
+  and the costs.
 
 Both give the trainer the same things: the target's depth, embedding and config, the rows it may train on
 (``admit``: a served row whose reply was refused is left out and counted in the skip reasons as
@@ -33,10 +33,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from eagle_assets.drafter.data.vocab import DraftVocab
 from eagle_assets.drafter.features.local_cache import FeatureCache, PreparedRow
 from eagle_assets.drafter.features.local_capture import decoder_parts
-from eagle_assets.drafter.ttt_loss import supervision
-from eagle_assets.drafter.vocab import DraftVocab
+from eagle_assets.drafter.features.teacher import supervision
 from eagle_assets.target_model.config import read_json_config
 
 
@@ -199,7 +199,7 @@ class ServedFeatures:
     served = True
 
     def __init__(self, model_dir: Path, spec: Any, log: Callable[[str], None]):
-        from eagle_assets.drafter.target_weights import read_target_tensor
+        from eagle_assets.drafter.features.target_weights import read_target_tensor
 
         if not spec.urls:
             raise ValueError("training.features.source = served needs training.features.url (or the pipeline's "
@@ -351,21 +351,16 @@ class ServedFeatures:
                 for i in range(len(view.rows)) for _aux, f, _g in view.get([i])}
 
     def acceptance_rows(self, rows: Sequence, capture: list[int], vocab: DraftVocab):
-        """``(rows, simulate_acceptance keyword arguments)`` for evaluation rows (held-out test rows, unseen-source
-        rows): their aux hidden states and the target's greedy ids come from the server as
-        :class:`ServedAcceptanceFeatures` (fetched as the walk reaches them, a window at a time), the exact re-runs
-        off a row are :meth:`greedy_next` requests, so the target never runs here. Rows the server refuses are
-        skipped by the walk with a note (their reasons in the mapping's ``refused``)."""
+        """``(rows, simulate_acceptance keyword arguments)`` for evaluation rows (held-out test rows): their aux
+        hidden states and the target's greedy ids come from the server as :class:`ServedAcceptanceFeatures`
+        (fetched as the walk reaches them, a window at a time), the exact re-runs off a row are :meth:`greedy_next`
+        requests, so the target never runs here. Rows the server refuses are skipped by the walk with a note (their
+        reasons in the mapping's ``refused``)."""
         rows = list(rows)
         source = self._source(capture)
         window = self.spec.concurrency * max(1, len(source.urls))
         features = ServedAcceptanceFeatures(rows, source, vocab.target_vocab_size, window)
         return rows, {"features": features, "greedy_next": self.greedy_next}
-
-    def generate_client(self, capture: list[int]):
-        """The serving client (``GenerateClient``) of the features server(s), for plain ``/generate`` requests
-        (the unseen-source rows); the server is checked for ``capture`` on its first feature request."""
-        return self._source(capture).client
 
     def greedy_next(self, prefix: np.ndarray) -> int:
         """The served target's greedy token after ``prefix`` (one ``max_new_tokens: 1`` request; called by the
@@ -423,7 +418,7 @@ class ServedAcceptanceFeatures:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, np.ndarray] | None:
-        from eagle_assets.drafter.acceptance import walkable
+        from eagle_assets.drafter.data.rows import walkable
         from eagle_assets.drafter.features.served_client import RefusedRow
 
         if index not in self:

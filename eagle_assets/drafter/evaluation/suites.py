@@ -7,10 +7,10 @@ Rows: each suite's QC rows (partition ``eval-<suite>``, ``catalog.evaluation``; 
 check's rows, so its tau at ``training.acceptance_k`` is that check's figure). A row's thinking mode is the one
 its turn row id names (``tokenized_prompts.walk``), ``default`` for a single-turn row.
 
-Methods: greedy tau is the simulated chain drafting of ``drafter.acceptance`` (exact, target re-runs off the row);
-tau at the suite's temperature is the exact expectation of ``drafter.sampled_acceptance`` (SGLang 0.5.23's
+Methods: greedy tau is the simulated chain drafting of ``drafter.evaluation.acceptance`` (exact, target re-runs off the
+row); tau at the suite's temperature is the exact expectation of ``drafter.evaluation.sampled`` (SGLang 0.5.23's
 sampling verification; no Monte Carlo error). Intervals: 95% percentile bootstrap over rows (a mean over
-partitions, for held-out rows: stratified by partition, ``drafter.acceptance.mean_tau_over_groups``).
+partitions, for held-out rows: stratified by partition, ``drafter.evaluation.acceptance.mean_tau_over_groups``).
 
 Overlap: a suite row whose prompt ids (the tokens before its reply) equal those of a training-split row of the
 trained partitions is counted (``overlap_rows``) and reported; it is still measured.
@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from eagle_assets.catalog import Catalog, suite_partition_key
-from eagle_assets.drafter.acceptance import mean_tau_over_groups, position_buckets, simulate_acceptance
-from eagle_assets.drafter.sampled_acceptance import chain_probabilities, sampled_acceptance
-from eagle_assets.drafter.splits import iter_shard_rows, iter_split_rows, load_split_rows
+from eagle_assets.drafter.data.splits import iter_shard_rows, iter_split_rows, load_split_rows
+from eagle_assets.drafter.evaluation.acceptance import mean_tau_over_groups, position_buckets, simulate_acceptance
+from eagle_assets.drafter.evaluation.sampled import chain_probabilities, sampled_acceptance
 from eagle_assets.storage.shards import Layout, atomic_files
 
 HELDOUT = "heldout"

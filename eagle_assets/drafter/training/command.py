@@ -2,9 +2,9 @@
 
 ::
 
-    torchrun --nproc_per_node 2 -m eagle_assets.drafter.train_command \\
+    torchrun --nproc_per_node 2 -m eagle_assets.drafter.training.command \\
         --target /models/Qwen3-8B --inputs ./train-inputs --out ./drafter --state-dir ./train_state
-    python -m eagle_assets.drafter.train_command --target DIR --rows qc/shard-00000.parquet ... \\
+    python -m eagle_assets.drafter.training.command --target DIR --rows qc/shard-00000.parquet ... \\
         --draft-vocab .eagle_assets/default/draft_vocab --config train.json --out ./drafter
 
 Inputs, either a prepared training-input directory (``--inputs``, written by :func:`write_training_inputs`; what
@@ -115,7 +115,7 @@ def read_rows(paths: Sequence[str | Path]) -> list[Row]:
 
 def read_config(path: str | Path):
     """The :class:`TrainConfig` of a JSON file of its fields (unknown fields raise :class:`InputError`)."""
-    from eagle_assets.drafter.recipe import TrainConfig
+    from eagle_assets.drafter.training.recipe import TrainConfig
 
     try:
         raw = json.loads(Path(path).read_text())
@@ -133,7 +133,7 @@ def read_config(path: str | Path):
 
 def read_draft_vocab(path: str | Path):
     """The :class:`~eagle_assets.drafter.vocab.DraftVocab` of a directory of ``d2t.npy``/``t2d.npy``."""
-    from eagle_assets.drafter.vocab import draft_vocab_from_arrays
+    from eagle_assets.drafter.data.vocab import draft_vocab_from_arrays
 
     d = Path(path)
     if not (d / "d2t.npy").is_file() or not (d / "t2d.npy").is_file():
@@ -162,12 +162,12 @@ def read_features(path: str | Path):
 def train_result_from_dict(raw: dict[str, Any]):
     """A :class:`~eagle_assets.drafter.train.TrainResult` read back from its ``training_metrics.json``
     (``TrainResult.to_dict``); its ``checkpoint`` report is re-validated from the checkpoint directory."""
-    from eagle_assets.drafter.acceptance import AcceptanceResult
-    from eagle_assets.drafter.export import validate_checkpoint
-    from eagle_assets.drafter.learning_curve import CurvePoint, StepMetrics
-    from eagle_assets.drafter.model import DrafterConfig
-    from eagle_assets.drafter.recipe import StepPlan, TrainConfig
-    from eagle_assets.drafter.train import TrainResult
+    from eagle_assets.drafter.eagle3.export import validate_checkpoint
+    from eagle_assets.drafter.eagle3.model import DrafterConfig
+    from eagle_assets.drafter.evaluation.acceptance import AcceptanceResult
+    from eagle_assets.drafter.training.learning_curve import CurvePoint, StepMetrics
+    from eagle_assets.drafter.training.loop import TrainResult
+    from eagle_assets.drafter.training.recipe import StepPlan, TrainConfig
 
     config = dict(raw["config"])
     if config.get("aux_layer_ids") is not None:
@@ -196,7 +196,8 @@ def train_result_from_dict(raw: dict[str, Any]):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eagle_assets.drafter.train_command", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m eagle_assets.drafter.training.command",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="local HF directory of the target model")
     p.add_argument("--inputs", help="a training-input directory (train.parquet, validation.parquet, config.json, "
                    "draft_vocab/)")
@@ -256,8 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
-    from eagle_assets.drafter.distributed import from_environment, shutdown
-    from eagle_assets.drafter.train import train_drafter
+    from eagle_assets.drafter.training.distributed import from_environment, shutdown
+    from eagle_assets.drafter.training.loop import train_drafter
 
     args = _parser().parse_args(argv)
     parallel = from_environment(args.backend)

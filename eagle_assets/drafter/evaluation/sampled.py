@@ -14,9 +14,9 @@ the residual. With one candidate per step the accepted count ``A`` has ``P(A >= 
 exactly, from the target's and the drafter's probabilities along the draft chain: no coin is thrown, there is no
 Monte Carlo error. Greedy verification is the limit T -> 0 (``p_j`` is 1 for the target's argmax, else 0).
 
-Verification points: the walk of ``drafter.acceptance`` along each completion segment ``[s, e)`` of a row, made
-random: a verification at ``n`` accepts ``A`` drafts (at most ``min(k, e - 1 - n)``, the segment's end) and the
-next one is at ``n + A + 1``. The probability ``pi(n)`` that the walk verifies at ``n`` follows exactly from the
+Verification points: the walk of ``drafter.evaluation.acceptance`` along each completion segment ``[s, e)`` of a
+row, made random: a verification at ``n`` accepts ``A`` drafts (at most ``min(k, e - 1 - n)``, the segment's end)
+and the next one is at ``n + A + 1``. The probability ``pi(n)`` that the walk verifies at ``n`` follows exactly from the
 distribution of ``A`` at every earlier point (``pi(s) = 1``, ``pi(n + a + 1) += pi(n) P_n(A = a)``), and tau is
 the ratio of expected tokens to expected verifications, ``sum pi(n) (1 + E_n[A]) / sum pi(n)``, the greedy walk's
 ratio estimator in expectation (as T -> 0 the walk is the greedy one). Averaging every position alike instead
@@ -38,10 +38,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from eagle_assets.drafter.acceptance import bootstrap_tau, draft_chain, drafting_mode, walkable
+from eagle_assets.drafter.data.rows import walkable
+from eagle_assets.drafter.data.vocab import DraftVocab
+from eagle_assets.drafter.evaluation.acceptance import bootstrap_tau, drafting_mode
+from eagle_assets.drafter.family import DraftModel
 from eagle_assets.drafter.features.local_capture import decoder_parts, head_logits, run_target
-from eagle_assets.drafter.model import Eagle3DraftModel
-from eagle_assets.drafter.vocab import DraftVocab
 from eagle_assets.serving.engine import sampling_probs
 
 #: verification points whose chains share one target forward (the row is re-fed with every chunk)
@@ -85,7 +86,7 @@ class SampledAcceptance:
         per_position_acceptance: ``[k]``; entry ``j`` is the mean ``P(A >= j + 1)``.
         row_verifications / row_tokens: per row, its expected verifications and expected tokens (bootstrap units).
         position_buckets: expected tokens per verification by position-in-sequence bucket
-            (``drafter.acceptance.position_buckets``).
+            (``drafter.evaluation.acceptance.position_buckets``).
         n_verifications: expected verifications over all rows; n_rows, k, temperature.
     """
 
@@ -102,7 +103,7 @@ class SampledAcceptance:
 
 
 @torch.no_grad()
-def chain_probabilities(target_model: nn.Module, drafter: Eagle3DraftModel, draft_vocab: DraftVocab,
+def chain_probabilities(target_model: nn.Module, drafter: DraftModel, draft_vocab: DraftVocab,
                         rows: Sequence[tuple[np.ndarray, np.ndarray]], k: int, temperature: float,
                         top_p: float = 1.0, top_k: int = -1, chunk: int = POINT_CHUNK) -> ChainProbabilities:
     """Acceptance probabilities of ``k``-draft chains at every verification point of ``rows``.
@@ -118,7 +119,8 @@ def chain_probabilities(target_model: nn.Module, drafter: Eagle3DraftModel, draf
         ValueError: ``k < 1``, ``temperature <= 0`` or a draft vocab that is not the drafter's.
     """
     if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 (greedy acceptance is drafter.acceptance), got {temperature}")
+        raise ValueError(f"temperature must be > 0 (greedy acceptance is drafter.evaluation.acceptance), got "
+                         f"{temperature}")
     was_training = drafting_mode(target_model, drafter, draft_vocab, k)
     capture = list(drafter.config.aux_capture_ids)
     decoder = decoder_parts(target_model)[0]
@@ -132,7 +134,7 @@ def chain_probabilities(target_model: nn.Module, drafter: Eagle3DraftModel, draf
         ids_np, _mask, segments = walk
         ids = torch.from_numpy(ids_np)
         aux, _final = run_target(target_model, ids, capture)
-        chain = torch.from_numpy(draft_chain(drafter, aux, ids, k))  # row n-1 drafts tokens n+1 .. n+k
+        chain = torch.from_numpy(drafter.draft_chain(aux, ids, k))  # row n-1 drafts tokens n+1 .. n+k
         points = [(n, min(k, e - 1 - n)) for s, e in segments for n in range(s, e - 1)]
         for start in range(0, len(points), chunk):
             part = points[start:start + chunk]
@@ -243,7 +245,7 @@ def sampled_acceptance(chains: ChainProbabilities, k: int, temperature: float, b
 def position_buckets_weighted(positions: np.ndarray, tokens: np.ndarray, weights: np.ndarray,
                               edges: Sequence[int]) -> list[dict]:
     """Expected tokens per verification by position bucket, each point weighted by its visit probability
-    (``drafter.acceptance.position_buckets`` with weights; ``verifications`` is the expected count)."""
+    (``drafter.evaluation.acceptance.position_buckets`` with weights; ``verifications`` is the expected count)."""
     bounds = [0, *[int(e) for e in edges], None]
     out = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):

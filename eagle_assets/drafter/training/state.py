@@ -24,11 +24,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from eagle_assets.drafter.data.vocab import DraftVocab
+from eagle_assets.drafter.eagle3.model import DrafterConfig, canonical_name
 from eagle_assets.drafter.features.local_cache import PreparedRow
-from eagle_assets.drafter.learning_curve import CurvePoint, StepMetrics
-from eagle_assets.drafter.model import DrafterConfig, canonical_name
-from eagle_assets.drafter.recipe import TRAJECTORY_FIELDS, StepPlan, TrainConfig
-from eagle_assets.drafter.vocab import DraftVocab
+from eagle_assets.drafter.training.learning_curve import CurvePoint, StepMetrics
+from eagle_assets.drafter.training.recipe import TRAJECTORY_FIELDS, StepPlan, TrainConfig
 from eagle_assets.storage.guard import refuse_symlink, stage_lock
 from eagle_assets.storage.shards import atomic_file, fsync_path
 

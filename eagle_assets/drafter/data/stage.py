@@ -14,9 +14,9 @@ import numpy as np
 import pyarrow as pa
 
 from eagle_assets.catalog import Catalog
-from eagle_assets.drafter.mix import MixResult
-from eagle_assets.drafter.splits import dataset_splits, mix_candidates
-from eagle_assets.drafter.vocab import (
+from eagle_assets.drafter.data.mix import MixResult
+from eagle_assets.drafter.data.splits import dataset_splits, mix_candidates
+from eagle_assets.drafter.data.vocab import (
     DraftVocab,
     build_draft_vocab,
     count_completion_tokens_in_shards,
@@ -97,10 +97,10 @@ class MixStageResult:
 
 def training_mix_stage(layout: Layout, catalog: Catalog, keys: list[str], excluded: dict[str, str]) -> MixStageResult:
     """The rows the drafter trains on: a token budget split by partition weights, with caps on short-row buckets
-    (``training.mix``; ``all_turns`` datasets mixed by turn, ``drafter.turn_mix``), written to ``training_mix/``
+    (``training.mix``; ``all_turns`` datasets mixed by turn, ``drafter.data.turn_mix``), written to ``training_mix/``
     (``mix.parquet``, ``summary.json``, ``mix.png``). An empty mix writes nothing (``out`` None)."""
-    from eagle_assets.drafter.mix import mix_png
-    from eagle_assets.drafter.turn_mix import build_turn_mix
+    from eagle_assets.drafter.data.mix import mix_png
+    from eagle_assets.drafter.data.turn_mix import build_turn_mix
     from eagle_assets.generations.rollout import turn_numbers
 
     spec = catalog.training.mix

@@ -1,6 +1,6 @@
 """Weighting the drafter's training mix by turn index (``training.mix.turn_weights``) for ``all_turns`` partitions.
 
-``drafter.mix.build_mix`` balances partitions by weight; here each ``all_turns`` partition is split into one group
+``drafter.data.mix.build_mix`` balances partitions by weight; here each ``all_turns`` partition is split into one group
 per turn index before it runs, so a partition's token share (its weight, as before) is divided between its turns
 in proportion to ``turn_weights`` (turn -> relative weight, unlisted turns 1.0, 0 leaves that turn out), and a share
 one turn cannot fill goes to the other groups, exactly as ``build_mix`` does for partitions. Rows of partitions
@@ -14,7 +14,7 @@ from collections import defaultdict
 from typing import Mapping, Sequence
 
 from eagle_assets.catalog import MixSpec
-from eagle_assets.drafter.mix import MixCandidate, MixResult, build_mix
+from eagle_assets.drafter.data.mix import MixCandidate, MixResult, build_mix
 
 
 def group_name(partition: str, turn: int) -> str:

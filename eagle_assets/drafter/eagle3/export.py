@@ -38,19 +38,19 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle_assets.drafter.features.local_capture import (
-    aux_layer_ids,
-    capture_to_layer_output_ids,
-    layer_output_to_capture_ids,
-)
-from eagle_assets.drafter.model import (
+from eagle_assets.drafter.data.vocab import DraftVocab, draft_vocab_from_arrays, validate_draft_vocab
+from eagle_assets.drafter.eagle3.model import (
     MLA_DIMS,
     DrafterConfig,
     Eagle3DraftModel,
     canonical_name,
     rope_settings,
 )
-from eagle_assets.drafter.vocab import DraftVocab, draft_vocab_from_arrays, validate_draft_vocab
+from eagle_assets.drafter.features.local_capture import (
+    aux_layer_ids,
+    capture_to_layer_output_ids,
+    layer_output_to_capture_ids,
+)
 from eagle_assets.storage.guard import refuse_symlink, remove_tree
 
 WEIGHT_KEYS: tuple[str, ...] = (

@@ -23,9 +23,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from eagle_assets.drafter.data.rows import walkable
+from eagle_assets.drafter.data.vocab import DraftVocab
+from eagle_assets.drafter.family import DraftModel
 from eagle_assets.drafter.features.local_capture import head_argmax, run_target
-from eagle_assets.drafter.model import Eagle3DraftModel
-from eagle_assets.drafter.vocab import DraftVocab
 
 
 @dataclass
@@ -139,35 +140,7 @@ def mean_tau_over_groups(
     return point, [float(lo), float(hi)]
 
 
-def completion_segments(loss_mask: np.ndarray) -> list[tuple[int, int]]:
-    """Maximal runs ``[start, end)`` of ``loss_mask == 1``."""
-    m = np.asarray(loss_mask).astype(bool).astype(np.int8)
-    edges = np.diff(np.concatenate([[0], m, [0]]))
-    starts = np.flatnonzero(edges == 1)
-    ends = np.flatnonzero(edges == -1)
-    return list(zip(starts.tolist(), ends.tolist()))
-
-
-def walkable(row, vocab_size: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]] | str:
-    """``(input_ids int64 [T], loss_mask [T], completion segments)`` of a row :func:`simulate_acceptance` walks, or
-    why it does not: a reason for a malformed row, ``""`` for a well-formed one without a segment to draft in (a
-    completion run of >= 2 tokens after the first position). Feature sources that fetch rows ahead of the walk
-    (``features.source.ServedAcceptanceFeatures``) use it to ask only for rows the walk will read."""
-    try:
-        ids_np = np.asarray(row[0], dtype=np.int64)
-        mask_np = np.asarray(row[1])
-        malformed = len(row) != 2 or ids_np.ndim != 1 or ids_np.shape != mask_np.shape or ids_np.size < 3
-    except (TypeError, ValueError, IndexError, KeyError):
-        malformed = True
-    if malformed:
-        return "need (input_ids, loss_mask), 1-D, equal length, >= 3 tokens"
-    if ids_np.min() < 0 or ids_np.max() >= vocab_size:
-        return f"token id outside [0, {vocab_size})"
-    segments = [(s, e) for s, e in completion_segments(mask_np) if s >= 1 and e - s >= 2]
-    return (ids_np, mask_np, segments) if segments else ""
-
-
-def drafting_mode(target_model: nn.Module, drafter: Eagle3DraftModel, draft_vocab: DraftVocab, k: int) -> bool:
+def drafting_mode(target_model: nn.Module, drafter: DraftModel, draft_vocab: DraftVocab, k: int) -> bool:
     """Make ``drafter`` ready to draft chains of ``k`` against ``target_model``: the draft vocab checked, the
     target's embedding attached when the drafter has none, eval mode. Returns whether it was training (the
     caller puts it back).
@@ -187,18 +160,9 @@ def drafting_mode(target_model: nn.Module, drafter: Eagle3DraftModel, draft_voca
 
 
 @torch.no_grad()
-def draft_chain(drafter: Eagle3DraftModel, aux: torch.Tensor, ids: torch.Tensor, k: int) -> np.ndarray:
-    """int64 ``[T, k]``: the drafter's greedy chain after every position of a row (row ``p`` drafts tokens
-    ``p + 2 .. p + k + 1``, each step fed its own previous draft), from the target's aux states ``[1, T, 3H]`` and
-    the row's ids ``[T]``."""
-    _, drafts = drafter.unroll(aux, ids.unsqueeze(0), k, feed_own_tokens=True)
-    return torch.stack([d[0] for d in drafts], dim=-1).numpy()
-
-
-@torch.no_grad()
 def simulate_acceptance(
     target_model: nn.Module,
-    drafter: Eagle3DraftModel,
+    drafter: DraftModel,
     draft_vocab: DraftVocab,
     rows: Sequence[tuple[np.ndarray, np.ndarray]],
     k: int = 7,
@@ -274,7 +238,7 @@ def simulate_acceptance(
                 features[row_index] = (aux, greedy)
         chain = chains.get(row_index) if chains is not None else None
         if chain is None or chain.shape[1] < k:
-            chain = draft_chain(drafter, aux, ids, k)
+            chain = drafter.draft_chain(aux, ids, k)
             if chains is not None:
                 chains[row_index] = chain
         before = len(lengths)

@@ -41,6 +41,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -754,6 +755,14 @@ class Eagle3DraftModel(nn.Module):
                                row_offset, window=self.config.window, step=step)
             kvs.append(kv)
         return hidden, kvs
+
+    @torch.no_grad()
+    def draft_chain(self, aux: torch.Tensor, ids: torch.Tensor, k: int) -> np.ndarray:
+        """int64 ``[T, k]``: the greedy chain after every position of a row (row ``p`` drafts tokens
+        ``p + 2 .. p + k + 1``, each step fed its own previous draft), from the target's aux states ``[1, T, 3H]``
+        and the row's ids ``[T]`` (``drafter.family.DraftModel``: what the evaluation walks call)."""
+        _, drafts = self.unroll(aux, ids.unsqueeze(0), k, feed_own_tokens=True)
+        return torch.stack([d[0] for d in drafts], dim=-1).numpy()
 
     def unroll(
         self,

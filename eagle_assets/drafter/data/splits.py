@@ -111,7 +111,7 @@ def mix_candidates(layout: Layout, catalog: Catalog, keys: list[str]):
     """Every training-split QC row of ``keys`` as a ``MixCandidate`` (completion tokens = loss tokens)."""
     import pyarrow.compute as pc
 
-    from eagle_assets.drafter.mix import MixCandidate
+    from eagle_assets.drafter.data.mix import MixCandidate
 
     out = []
     for key in keys:

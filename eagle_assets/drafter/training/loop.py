@@ -1,13 +1,14 @@
-"""Train an EAGLE-3 drafter with training-time test (TTT) on prompt + completion rows, on CPU or GPU: the loop.
+"""Train a drafter on prompt + completion rows, on CPU or GPU: the loop any drafter family plugs into.
 
-The pieces live beside it: the recipe and step plan in :mod:`~eagle_assets.drafter.recipe`, the loss and its
-alignment in :mod:`~eagle_assets.drafter.ttt_loss`, rows, batches and cached target features in
-:mod:`~eagle_assets.drafter.features.local_cache`, the learning curve and early stopping in
-:mod:`~eagle_assets.drafter.learning_curve`, the crash-safe resumable state in
-:mod:`~eagle_assets.drafter.train_state`.
+The family (``drafter.family.DraftFamily``, chosen by ``training.drafter.architecture``; EAGLE-3 today) gives the
+model, the loss of a batch (EAGLE-3: training-time test, :mod:`~eagle_assets.drafter.eagle3.ttt_loss`) and the
+export. The pieces live beside it: the recipe and step plan in :mod:`~eagle_assets.drafter.training.recipe`, rows,
+batches and cached target features in :mod:`~eagle_assets.drafter.features.local_cache`, the learning curve and early
+stopping in :mod:`~eagle_assets.drafter.training.learning_curve`, the crash-safe resumable state in
+:mod:`~eagle_assets.drafter.training.state`.
 
-One run: check and cut the rows, pack them into batches, plan the steps (:func:`~eagle_assets.drafter.recipe.
-plan_steps`), compute the target features once, then per optimizer step: the batch's teacher distributions, the
+One run: check and cut the rows, pack them into batches, plan the steps (:func:`~eagle_assets.drafter.training.
+recipe.plan_steps`), compute the target features once, then per optimizer step: the batch's teacher distributions, the
 TTT unroll and loss, backward, clip, AdamW. Every ``eval_every_tokens`` tokens and at the end, the validation rows
 are scored (TTT loss and simulated tau: a point of the learning curve); with ``patience`` the run stops when tau
 stops improving and keeps the best weights. Resumable runs (``state_dir``) write their whole state every
@@ -29,15 +30,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from eagle_assets.drafter.acceptance import AcceptanceResult, simulate_acceptance
-from eagle_assets.drafter.distributed import DataParallel
-from eagle_assets.drafter.export import CheckpointReport, export_checkpoint
+from eagle_assets.drafter.data.vocab import DraftVocab
+from eagle_assets.drafter.evaluation.acceptance import AcceptanceResult, simulate_acceptance
+from eagle_assets.drafter.family import family_for
 from eagle_assets.drafter.features.local_cache import cache_bytes, make_batches, pad, prepare_rows
 from eagle_assets.drafter.features.local_capture import aux_layer_ids
 from eagle_assets.drafter.features.source import feature_source
-from eagle_assets.drafter.learning_curve import CurvePoint, EarlyStopping, StepMetrics
-from eagle_assets.drafter.model import DrafterConfig, Eagle3DraftModel
-from eagle_assets.drafter.recipe import (
+from eagle_assets.drafter.training.distributed import DataParallel
+from eagle_assets.drafter.training.learning_curve import CurvePoint, EarlyStopping, StepMetrics
+from eagle_assets.drafter.training.recipe import (
     SCHEDULES,
     TRAJECTORY_FIELDS,
     StepPlan,
@@ -46,7 +47,7 @@ from eagle_assets.drafter.recipe import (
     lr_at,
     plan_steps,
 )
-from eagle_assets.drafter.train_state import (
+from eagle_assets.drafter.training.state import (
     STATE_VERSION,
     Progress,
     TrainState,
@@ -54,8 +55,6 @@ from eagle_assets.drafter.train_state import (
     restore_tensors,
     state_tensors,
 )
-from eagle_assets.drafter.ttt_loss import drafter_rows, teacher_positions, ttt_loss
-from eagle_assets.drafter.vocab import DraftVocab
 from eagle_assets.storage.shards import write_text_atomic
 from eagle_assets.target_model.config import optional_json_config
 
@@ -63,7 +62,7 @@ Row = tuple[np.ndarray, np.ndarray]
 
 __all__ = [
     "SCHEDULES", "STATE_VERSION", "TRAJECTORY_FIELDS", "StepMetrics", "TrainConfig", "TrainResult", "TrainState",
-    "drafter_rows", "epoch_order", "load_target", "lr_at", "teacher_positions", "train_drafter",
+    "epoch_order", "load_target", "lr_at", "train_drafter",
 ]
 
 
@@ -99,7 +98,7 @@ class TrainResult:
     """
 
     checkpoint_dir: Path
-    checkpoint: CheckpointReport
+    checkpoint: Any  # the family's checkpoint report (EAGLE-3: eagle3.export.CheckpointReport)
     steps: list[StepMetrics]
     epochs: list[dict[str, Any]]
     rows_used: int
@@ -112,7 +111,7 @@ class TrainResult:
     train_seconds: float
     tokens_per_s: float
     aux_capture_ids: list[int]
-    drafter_config: DrafterConfig
+    drafter_config: Any  # the family's drafter config (EAGLE-3: eagle3.model.DrafterConfig)
     config: TrainConfig
     plan: StepPlan | None = None
     curve: list[CurvePoint] = field(default_factory=list)
@@ -311,12 +310,13 @@ class _Run:
         )
 
         self.dtype_name = config.export_dtype or _stored_dtype(target_dir, self.target.config)
-        self.dconf = DrafterConfig.from_target(self.target.config, draft_vocab.draft_vocab_size, self.capture,
-                                               config.intermediate_size, config.drafter)
+        self.family = family_for(config.drafter.architecture)
+        self.dconf = self.family.config_from_target(self.target.config, draft_vocab.draft_vocab_size, self.capture,
+                                                    config.intermediate_size, config.drafter)
         # The caller runs us inside torch.random.fork_rng: seeding here neither reads nor disturbs its generator.
         torch.manual_seed(config.seed)
         self.draft_ids = torch.from_numpy(draft_vocab.draft_token_ids)
-        self.model = Eagle3DraftModel(self.dconf, embed_weight=embed.float(), draft_token_ids=self.draft_ids)
+        self.model = self.family.build_model(self.dconf, embed.float(), self.draft_ids)
         self.model.train()
         self.teacher_w, self.teacher_b = self.source.teacher(self.draft_ids)  # lm_head rows (None when served)
         self.in_draft = torch.from_numpy(draft_vocab.t2d)
@@ -433,8 +433,9 @@ class _Run:
                    config.schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        total, loss, per_step, out_of_draft = self.parallel.ttt_loss(self.model, self.objective, aux, ids, sup,
-                                                                     self.weights, self.draft_ids)
+        total, loss, per_step, out_of_draft = self.parallel.batch_loss(self.family.batch_loss, self.model,
+                                                                       self.objective, aux, ids, sup, self.weights,
+                                                                       self.draft_ids)
         if epoch == 0:
             progress.out_of_draft += out_of_draft
         s_loss = [ce / n if n else None for n, ce, _ in per_step]
@@ -508,7 +509,7 @@ class _Run:
                 aux = torch.nn.utils.rnn.pad_sequence([f[0] for f in feats], batch_first=True)
                 sup = self.source.supervision([self.validation[i].teacher for i in batch], feats, self.in_draft,
                                   self.teacher_w, self.teacher_b)
-                _, per_step = ttt_loss(self.model, aux, ids, sup, self.weights, self.draft_ids)
+                _, per_step = self.family.batch_loss(self.model, aux, ids, sup, self.weights, self.draft_ids)
                 for i, (n, ce, c) in enumerate(per_step):
                     ce_sum[i] += ce
                     correct[i] += c
@@ -555,8 +556,8 @@ class _Run:
             self.emit(f"exporting the weights of step {best_step} (best validation tau "
                       f"{self.stopping.best_tau:.3f}), not of the last step {p.step}")
         self.model.eval()
-        report = export_checkpoint(self.model, self.target.config, self.vocab, self.capture, out_dir,
-                                   dtype=self.dtype_name)
+        report = self.family.export(self.model, self.target.config, self.vocab, self.capture, out_dir,
+                                    dtype=self.dtype_name)
         self.emit(f"exported {out_dir} ({self.dtype_name}); training {train_seconds:.1f}s, {tokens_per_s:.0f} tok/s")
         acceptance = None
         if eval_rows:

@@ -66,7 +66,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from eagle_assets.drafter.model import DraftArchitecture
+from eagle_assets.drafter.eagle3.model import DraftArchitecture
 
 #: learning-rate schedules :func:`lr_at` knows.
 SCHEDULES = ("cosine", "constant")

@@ -1,0 +1,28 @@
+"""The EAGLE-3 family's entry in the registry (``drafter.family.FAMILIES``)."""
+
+from __future__ import annotations
+
+from eagle_assets.drafter.eagle3.export import export_checkpoint, load_drafter, serve_flags, validate_checkpoint
+from eagle_assets.drafter.eagle3.model import DrafterConfig, Eagle3DraftModel
+from eagle_assets.drafter.eagle3.ttt_loss import ttt_loss
+from eagle_assets.drafter.family import DraftFamily
+
+
+def build_model(config: DrafterConfig, embed_weight, draft_token_ids) -> Eagle3DraftModel:
+    """A fresh drafter of ``config`` over the target's input embedding ``embed_weight`` ``[V, H]`` float32 and the
+    draft vocab's target ids ``draft_token_ids`` int64 ``[D]``."""
+    return Eagle3DraftModel(config, embed_weight=embed_weight, draft_token_ids=draft_token_ids)
+
+
+FAMILY = DraftFamily(
+    name="eagle3",
+    architectures=("auto", "llama", "mla"),
+    checkpoint_architectures=("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM"),
+    config_from_target=DrafterConfig.from_target,
+    build_model=build_model,
+    batch_loss=ttt_loss,
+    export=export_checkpoint,
+    validate=validate_checkpoint,
+    load=load_drafter,
+    serve_flags=serve_flags,
+)
