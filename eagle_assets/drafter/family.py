@@ -24,6 +24,7 @@ import numpy as np
 # family name -> the module that defines its FAMILY
 FAMILIES: dict[str, str] = {
     "eagle3": "eagle_assets.drafter.eagle3.family",
+    "dflash": "eagle_assets.drafter.dflash.family",
 }
 
 

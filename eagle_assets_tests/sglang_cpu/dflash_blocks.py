@@ -1,0 +1,140 @@
+"""Run in the SGLang 0.5.23 CPU venv (test-only): load exported DFlash drafts into SGLang's own ``DFlashDraftModel``
+and draft blocks with SGLang's own modules, driven as its ``DFlashWorkerV2`` drives the draft.
+
+    python dflash_blocks.py CASES.json OUT.json
+
+``CASES.json``: ``{"cases": [{"name", "checkpoint", "inputs": npz with aux [T, K*H] float32, ids [T] int64,
+embed [V, H] float32, lm_head [V, H] float32, "positions": [p, ...]}]}``. For each ``p``: the verified prefix holds
+positions ``0..p`` and the target just emitted ``ids[p + 1]`` (the anchor, whose own features are not computed);
+the block is ``[ids[p + 1], mask x (B - 1)]`` at positions ``p + 1 .. p + B``, the context the features of
+positions ``0..p``, and the proposals are ``argmax(lm_head(out[1:]))`` (``dflash_worker_v2.py``: slot 0 discarded,
+slot ``k`` the token at ``anchor + k``). ``OUT.json``: per case the blocks (``[len(P), B - 1]`` target ids), their
+logits, and the load report (parameters ``load_weights`` wrote / left untouched, tensors consumed).
+
+What is SGLang's and what is a reference here:
+
+- SGLang's: the class built from the checkpoint's ``config.json`` through transformers' ``AutoConfig`` as SGLang's
+  loader does, its ``load_weights`` (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``), the mask token id and
+  block size from its ``parse_dflash_draft_config``, and every module the draft runs: ``project_target_hidden``
+  (``fc`` then ``hidden_norm``), the attention's ``kv_proj_only`` / ``apply_k_norm`` / ``apply_k_rope`` (the
+  context keys and values), ``qkv_proj``, the q/k norms (``models.utils.apply_qk_norm``), ``rotary_emb``,
+  ``o_proj``, the norms with their fused residual add, the MLP, the final ``norm``; ``attn.scaling``.
+- Reference: the attention kernel (``RadixAttention`` needs a forward batch and a KV pool that do not run on CPU),
+  a softmax of the block's queries over the context keys and the block's keys with no mask (the layers are
+  ``ENCODER_ONLY``, bidirectional, and the context holds only positions before the anchor), and the decoder layer's
+  ``forward`` body (copied statement for statement, since it takes the forward batch). The target embedding and
+  LM head are the target's tensors, as the worker borrows them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+
+def _init():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 2000))
+    from sglang.srt.distributed.parallel_state import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
+    from sglang.test.test_utils import publish_build_topology
+
+    if not torch.distributed.is_initialized():
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    if not model_parallel_is_initialized():
+        publish_build_topology(tp_size=1, ep_size=1, pp_size=1)
+        initialize_model_parallel(backend="gloo")
+
+
+def _load(checkpoint):
+    from safetensors.torch import load_file
+    from sglang.srt.models.dflash import DFlashDraftModel
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    model = DFlashDraftModel(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    weights = load_file(os.path.join(checkpoint, "model.safetensors"))
+    model.load_weights(iter(weights.items()))
+    written, untouched = [], []
+    for name, p in model.named_parameters():
+        (untouched if torch.isnan(p).any() else written).append(name)
+    shards = {"qkv_proj": 3, "gate_up_proj": 2}
+    consumed = sum(shards.get(name.split(".")[-2], 1) for name in written)
+    parsed = parse_dflash_draft_config(draft_hf_config=config)
+    return model, parsed, written, untouched, {"tensors": len(weights), "consumed": consumed}
+
+
+def _block(model, aux, ids, embed, lm_head, p, mask_id, block):
+    from sglang.srt.models.utils import apply_qk_norm
+
+    anchor = p + 1
+    ctx = model.project_target_hidden(aux[:anchor])  # context: positions 0..p, strictly before the anchor
+    ctx_pos = torch.arange(anchor)
+    block_ids = torch.full((block,), mask_id, dtype=torch.long)
+    block_ids[0] = ids[anchor]
+    x = embed[block_ids]
+    pos = torch.arange(anchor, anchor + block)
+    residual = None
+    for layer in model.layers:
+        at = layer.self_attn
+        ck, cv = at.kv_proj_only(model.prepare_context_hidden_for_kv(layer, ctx))
+        ck = at.apply_k_rope(ctx_pos, at.apply_k_norm(ck))
+        # DFlashDecoderLayer.forward, statement for statement, with a reference attention
+        if residual is None:
+            residual = x
+            h = layer.input_layernorm(x)
+        else:
+            h, residual = layer.input_layernorm(x, residual)
+        qkv, _ = at.qkv_proj(h)
+        q, k, v = qkv.split([at.q_size, at.kv_size, at.kv_size], -1)
+        q, k = apply_qk_norm(q, k, at.q_norm, at.k_norm, at.head_dim, allow_inplace=False)
+        q, k = at.rotary_emb(pos, q, k)
+        rep = at.num_heads // at.num_kv_heads
+        keys = torch.cat([ck, k]).view(-1, at.num_kv_heads, at.head_dim).transpose(0, 1).repeat_interleave(rep, 0)
+        values = torch.cat([cv, v]).view(-1, at.num_kv_heads, at.head_dim).transpose(0, 1).repeat_interleave(rep, 0)
+        queries = q.view(block, at.num_heads, at.head_dim).transpose(0, 1)
+        attn = torch.softmax((queries @ keys.transpose(-1, -2)) * at.attn.scaling, -1) @ values
+        out, _ = at.o_proj(attn.transpose(0, 1).reshape(block, -1))
+        h, residual = layer.post_attention_layernorm(out, residual)
+        x = layer.mlp(h)
+    out, _ = model.norm(x, residual)
+    logits = out[1:] @ lm_head.T
+    return logits.argmax(-1).tolist(), logits.tolist()
+
+
+def main(cases_path, out_path):
+    cases = json.loads(open(cases_path).read())["cases"]
+    _init()
+    results = {}
+    for case in cases:
+        model, parsed, written, untouched, counts = _load(case["checkpoint"])
+        data = np.load(case["inputs"])
+        aux, ids = torch.from_numpy(data["aux"]).float(), torch.from_numpy(data["ids"]).long()
+        embed, lm_head = torch.from_numpy(data["embed"]).float(), torch.from_numpy(data["lm_head"]).float()
+        mask_id, block = parsed.mask_token_id, parsed.resolve_block_size(default=16)
+        blocks, logits = [], []
+        with torch.no_grad():
+            for p in case["positions"]:
+                got, lg = _block(model, aux, ids, embed, lm_head, p, mask_id, block)
+                blocks.append(got)
+                logits.append(lg)
+        results[case["name"]] = {"written": written, "untouched": untouched, **counts, "blocks": blocks,
+                                 "logits": logits, "mask_token_id": mask_id, "block_size": block,
+                                 "target_layer_ids": list(parsed.target_layer_ids or [])}
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

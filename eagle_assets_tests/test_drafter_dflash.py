@@ -1,0 +1,178 @@
+"""The DFlash family (issue 46): our block drafter, its objective, its export, held to SGLang 0.5.23's own class.
+
+- The objective: SpecForge 0.2.0's ``dflash`` loss (anchors where two adjacent tokens are supervised, slot ``k``
+  trained on the token AT ``anchor + k``, slot 0 never, weights per slot by the loss mask, ``sum(w CE) / sum(w)``),
+  checked against a brute-force computation block by block that shares no code with the batched one: one block at a
+  time, its own context cut, no mask.
+- The export: every tensor SGLang's ``DFlashDraftModel.load_weights`` needs, nothing it would skip; SGLang's modules
+  (``sglang_cpu/dflash_blocks.py``, driven as ``DFlashWorkerV2`` drives the draft) draft the same block after each
+  verified prefix, logits within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle_assets.drafter.dflash.export import (
+    CheckpointError,
+    export_checkpoint,
+    load_drafter,
+    serve_flags,
+    validate_checkpoint,
+)
+from eagle_assets.drafter.dflash.model import (
+    DFlashDraftModel,
+    anchors_of,
+    block_loss,
+    build_target_layer_ids,
+    config_from_target,
+)
+from eagle_assets.drafter.family import family_for, family_of_checkpoint
+from eagle_assets_tests.real_sglang import STUB_DIR, sglang_env
+
+V, H, LAYERS, BLOCK = 96, 32, 6, 5
+TARGET = {"hidden_size": H, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
+          "vocab_size": V, "num_hidden_layers": LAYERS}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    pass
+
+
+def _draft(layers=2, ids=(1, 3), seed=0) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    config = config_from_target(TARGET, mask_token_id=V - 1, num_hidden_layers=layers, block_size=BLOCK,
+                                target_layer_ids=list(ids))
+    model = DFlashDraftModel(config, torch.randn(V, H), torch.randn(V, H))
+    with torch.no_grad():  # norms away from 1 so a misplaced norm shows
+        for name, p in model.named_parameters():
+            (p.uniform_(0.5, 1.5) if p.dim() == 1 else p.normal_(0, 0.3))
+    return model
+
+
+def test_target_layer_ids_follow_sglangs_rule():
+    assert build_target_layer_ids(28, 1) == [14] and build_target_layer_ids(28, 3) == [1, 13, 25]
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33] and build_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    with pytest.raises(ValueError, match="ascending ids in"):
+        config_from_target(TARGET, V - 1, target_layer_ids=[LAYERS - 1])  # the last layer's output is never captured
+
+
+def _brute_loss(model, aux, ids, mask):
+    """The objective one block at a time: context = features before the anchor, no mask, plain loops."""
+    c = model.config
+    ces, ws = [], []
+    for b in range(ids.shape[0]):
+        s = ids.shape[1]
+        for a in range(s - 1):
+            if not (mask[b, a] and mask[b, a + 1]):
+                continue
+            hidden = model.blocks(aux[b:b + 1, :a], ids[b:b + 1, :a + 1].clone(), torch.tensor([[a]]),
+                                  torch.tensor([[True]]))[0, 0]
+            for k in range(1, c.block_size):
+                if a + k < s and mask[b, a + k]:
+                    ces.append(F.cross_entropy(model.logits(hidden[k])[None], ids[b, a + k][None]))
+                    ws.append(1.0)
+    return torch.stack(ces).sum() / sum(ws)
+
+
+def test_the_batched_objective_equals_a_block_by_block_computation():
+    model = _draft()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V - 1, (2, 14), generator=gen)
+    mask = torch.zeros(2, 14, dtype=torch.long)
+    mask[0, 4:] = 1
+    mask[1, 3:9] = 1
+    mask[1, 10:] = 1  # a hole: slots landing on position 9 weigh 0, later slots still count
+    aux = torch.randn(2, 14, 2 * H, generator=gen)
+    anchors, keep = anchors_of(mask)
+    assert anchors[0][keep[0]].tolist() == list(range(4, 13))
+    assert anchors[1][keep[1]].tolist() == [3, 4, 5, 6, 7, 10, 11, 12]
+    loss, per_slot = block_loss(model, aux, ids, mask, anchors, keep)
+    assert loss.item() == pytest.approx(_brute_loss(model, aux, ids, mask).item(), rel=1e-5)
+    assert len(per_slot) == BLOCK - 1 and per_slot[0][0] > per_slot[-1][0]  # later slots run off the row
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_a_sampled_anchor_set_is_seeded_and_a_subset():
+    mask = torch.ones(1, 40, dtype=torch.long)
+    a1, k1 = anchors_of(mask, 8, torch.Generator().manual_seed(3))
+    a2, _ = anchors_of(mask, 8, torch.Generator().manual_seed(3))
+    assert torch.equal(a1, a2) and k1.all() and a1.shape == (1, 8)
+    assert a1[0].tolist() == sorted(set(a1[0].tolist())) and a1.max() <= 38
+
+
+def test_the_export_validates_both_ways_and_round_trips(tmp_path):
+    model = _draft()
+    report = export_checkpoint(model, TARGET, None, model.config.aux_capture_ids, tmp_path / "ckpt")
+    cfg = report.config
+    assert cfg["architectures"] == ["DFlashDraftModel"] and "is_causal" not in cfg
+    assert cfg["dflash_config"] == {"target_layer_ids": [1, 3], "mask_token_id": V - 1, "block_size": BLOCK}
+    assert "embed_tokens.weight" not in report.tensors and "lm_head.weight" not in report.tensors
+    assert family_of_checkpoint(tmp_path / "ckpt").name == "dflash" and family_for("dflash").name == "dflash"
+    loaded, vocab = load_drafter(tmp_path / "ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    assert vocab.draft_vocab_size == V
+    assert serve_flags(tmp_path / "ckpt", 7)[-2:] == ["--speculative-dflash-block-size", str(BLOCK)]
+    # held back: a tensor SGLang would skip and a missing one are both refused, naming them
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    weights["embed_tokens.weight"] = torch.zeros(V, H)
+    del weights["layers.1.mlp.down_proj.weight"]
+    save_file(weights, str(tmp_path / "ckpt" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensor layers.1.mlp.down_proj.weight.*embed_tokens.weight "
+                                              r"is not one SGLang loads"):
+        validate_checkpoint(tmp_path / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def sglang_blocks(sglang_python, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dflash_sglang")
+    cases, ours = [], {}
+    for name, layers, ids in (("one_layer", 1, [2]), ("three_layers_three_ids", 3, [0, 2, 4])):
+        model = _draft(layers, ids, seed=layers)
+        export_checkpoint(model, TARGET, None, model.config.aux_capture_ids, tmp / name)
+        gen = torch.Generator().manual_seed(layers)
+        row_ids = torch.randint(0, V - 1, (20,), generator=gen)
+        aux = torch.randn(20, len(ids) * H, generator=gen)
+        np.savez(tmp / f"{name}.npz", aux=aux.numpy(), ids=row_ids.numpy(), embed=model.embed_weight.numpy(),
+                 lm_head=model.lm_head_weight.numpy())
+        positions = [0, 3, 9, 17]
+        cases.append({"name": name, "checkpoint": str(tmp / name), "inputs": str(tmp / f"{name}.npz"),
+                      "positions": positions})
+        chain = model.draft_chain(aux[None], row_ids, BLOCK - 1)
+        hidden = model.blocks(aux[None], row_ids[None], torch.tensor([[p + 1 for p in positions]]),
+                              torch.ones(1, len(positions), dtype=torch.bool))[0]
+        ours[name] = {"blocks": [chain[p].tolist() for p in positions],
+                      "logits": model.logits(hidden[:, 1:]).detach().numpy()}
+    (tmp / "cases.json").write_text(json.dumps({"cases": cases}))
+    proc = subprocess.run([str(sglang_python), str(STUB_DIR / "dflash_blocks.py"), str(tmp / "cases.json"),
+                           str(tmp / "out.json")], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **sglang_env()})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp / "out.json").read_text()), ours
+
+
+@pytest.mark.parametrize("case", ["one_layer", "three_layers_three_ids"])
+def test_sglang_loads_every_parameter_of_the_exported_draft(sglang_blocks, case):
+    got = sglang_blocks[0][case]
+    assert got["untouched"] == [] and got["consumed"] == got["tensors"]  # nothing unwritten, nothing skipped
+    assert any(n.endswith("qkv_proj.weight") for n in got["written"])
+    assert got["mask_token_id"] == V - 1 and got["block_size"] == BLOCK
+
+
+@pytest.mark.parametrize("case", ["one_layer", "three_layers_three_ids"])
+def test_sglang_drafts_the_blocks_our_draft_drafts(sglang_blocks, case):
+    sglang, ours = sglang_blocks[0][case], sglang_blocks[1][case]
+    assert sglang["blocks"] == ours["blocks"]
+    assert np.abs(np.asarray(sglang["logits"]) - ours["logits"]).max() < 1e-4
