@@ -176,3 +176,74 @@ def test_sglang_drafts_the_blocks_our_draft_drafts(sglang_blocks, case):
     sglang, ours = sglang_blocks[0][case], sglang_blocks[1][case]
     assert sglang["blocks"] == ours["blocks"]
     assert np.abs(np.asarray(sglang["logits"]) - ours["logits"]).max() < 1e-4
+
+
+QUESTIONS = ["What is 2 plus 3?", "Name a color.", "Say hello.", "Count to five.", "What is the capital of France?",
+             "Give me a fruit.", "Spell cat.", "What day comes after Monday?", "Is water wet?", "Name an animal."]
+
+
+def _qc_rows(directory, target_dir, new_tokens=24):
+    """A passing partition's QC shard: chat prompts and the target's own greedy replies (ids, loss mask)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    records = []
+    for i, q in enumerate(QUESTIONS):
+        text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        prompt = list(tok(text, add_special_tokens=False)["input_ids"])
+        with torch.no_grad():
+            out = target.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                                  min_new_tokens=new_tokens, pad_token_id=0)[0, len(prompt):].tolist()
+        records.append({"sample_id": f"s{i:03d}", "input_ids": prompt + out,
+                        "loss_mask": [0] * len(prompt) + [1] * len(out), "n_prompt_tokens": len(prompt)})
+    schema = pa.schema([("sample_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
+                        ("loss_mask", pa.list_(pa.int8())), ("n_prompt_tokens", pa.int32())])
+    directory.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(records, schema=schema), directory / "shard-00000.parquet")
+    (directory / "qc_status.json").write_text(json.dumps({"passed": True, "kept": len(records)}))
+
+
+def test_the_training_assets_train_and_export_a_dflash_draft(target8, tmp_path):
+    """``training.drafter.architecture: dflash`` through the real ``draft_vocab``, ``training_mix`` and
+    ``drafter_checkpoint`` assets: the family's target layers (SGLang's default for an 8-layer target, one draft
+    layer: [4]), the mask token by the stated rule, the export SGLang loads, the acceptance check walked with the
+    draft's blocks, and the serve flags of its class."""
+    import yaml
+
+    from eagle_assets.definitions import build_definitions
+    from eagle_assets_tests.dagster_runs import materialize_training
+
+    (tmp_path / "source.jsonl").write_text("")  # the partition's source; never read here
+    training = {"draft_vocab_size": 256, "epochs": 3, "lr": 3.0e-3, "batch_tokens": 256, "max_length": 256,
+                "holdout_fraction": 0.3, "validation_rows": 1, "acceptance_k": 4, "min_tau_margin": 0.0,
+                "tau_warn": 1.0, "threads": 1, "warmup_steps": 1, "save_every_steps": 0, "mix": {"bucket_caps": []},
+                "drafter": {"architecture": "dflash", "block_size": 6}}
+    catalog = {"target": {"model": str(target8)}, "training": training,
+               "partitions": {"P1": {"sources": [{"path": str(tmp_path / "source.jsonl"), "format": "messages"}],
+                                     "sampling": {"max_new_tokens": 32}}}}
+    path = tmp_path / "dfl.yaml"
+    path.write_text(yaml.safe_dump(catalog))
+    _qc_rows(tmp_path / "store" / "dfl" / "qc_shards" / "P1", target8)
+    defs = build_definitions(path, storage_root=tmp_path / "store")
+    result, logs = materialize_training(defs)
+    assert result.success, "\n".join(logs[-30:])
+    checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    assert checks["export_contract"].passed
+    acceptance = checks["acceptance_length"]
+    described = acceptance.metadata["drafter_architecture"].value
+    assert described.startswith("dflash: 1 layer(s), block 6, target layers [4]")
+    assert acceptance.metadata["mean_tau"].value >= 1.0
+    ckpt = tmp_path / "store" / "dfl" / "drafter_checkpoint" / "checkpoint"
+    report = validate_checkpoint(ckpt, json.loads((target8 / "config.json").read_text()))
+    assert report.config["dflash_config"]["target_layer_ids"] == [4] and report.config["block_size"] == 6
+    from transformers import AutoTokenizer
+
+    tok, vocab = AutoTokenizer.from_pretrained(str(target8)), report.config["vocab_size"]
+    mask = report.config["dflash_config"]["mask_token_id"]
+    assert mask == (len(tok) if len(tok) < vocab else tok.pad_token_id)  # the first unused row, else pad
+    assert family_of_checkpoint(ckpt).serve_flags(ckpt, 4)[:2] == ["--speculative-algorithm", "DFLASH"]
+    metrics = json.loads((ckpt.parent / "training_metrics.json").read_text())
+    assert len(metrics["steps"][0]["step_loss"]) == 5  # one figure per drafted slot, 1..B-1

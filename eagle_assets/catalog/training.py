@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from eagle_assets.catalog.base import StrictModel
 from eagle_assets.catalog.partitions import SourceSpec, check_http_urls
@@ -113,17 +113,20 @@ class FeaturesSpec(StrictModel):
 
 
 class DrafterSpec(StrictModel):
-    """``training.drafter``: which EAGLE-3 drafter is trained and exported (``drafter.eagle3.model.DraftArchitecture``).
+    """``training.drafter``: which drafter is trained and exported (``drafter.family.DraftArchitecture``).
 
     ``architecture``: ``auto`` (``mla`` for a multi-latent-attention target: DeepSeek-V3/R1, Kimi-K2.x; ``llama``
     otherwise), ``llama`` (SGLang ``LlamaForCausalLMEagle3``) or ``mla`` (``Eagle3DeepseekV2ForCausalLM``, as the
     public ``lightseekorg/kimi-k2.5-eagle3-mla`` and ``kimi-k2.6-eagle3.1-mla`` drafts). ``fc_norm`` /
     ``norm_output``: the EAGLE-3.1 switches (null = on for mla, off for llama). ``norm_before_fc`` (llama),
     ``num_hidden_layers`` (mla: 1), ``window`` (sliding attention window in tokens, llama; null = full), and the MLA
-    dims (null = the target's own).
+    dims (null = the target's own). ``dflash``: SGLang's ``DFlashDraftModel`` block drafter (docs/drafters.md), with
+    ``num_hidden_layers``, ``block_size`` (``B``: ``B - 1`` drafts per verification; null = 16) and ``mask_token_id``
+    (null = ``drafter.dflash.family.mask_token_id``'s rule); its target layers are ``training.aux_layer_ids``
+    (capture numbering; null = SGLang's default for the draft's depth).
     """
 
-    architecture: Literal["auto", "llama", "mla"] = "auto"
+    architecture: Literal["auto", "llama", "mla", "dflash"] = "auto"
     fc_norm: bool | None = None
     norm_output: bool | None = None
     norm_before_fc: bool = False
@@ -134,9 +137,19 @@ class DrafterSpec(StrictModel):
     qk_nope_head_dim: int | None = Field(None, gt=0)
     qk_rope_head_dim: int | None = Field(None, gt=0)
     v_head_dim: int | None = Field(None, gt=0)
+    block_size: int | None = Field(None, ge=2)
+    mask_token_id: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _what_sglang_serves(self) -> "DrafterSpec":
+        eagle_only = [name for name in ("fc_norm", "norm_output", "window", "q_lora_rank", "kv_lora_rank",
+                                        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+                      if getattr(self, name) is not None] + (["norm_before_fc"] if self.norm_before_fc else [])
+        if self.architecture == "dflash" and eagle_only:
+            raise ValueError(f"{eagle_only} are EAGLE-3 settings: leave them unset for architecture dflash")
+        if self.architecture != "dflash" and (self.block_size is not None or self.mask_token_id is not None):
+            raise ValueError("block_size and mask_token_id are DFlash settings: set architecture: dflash or leave "
+                             "them unset")
         if self.architecture == "mla":
             if self.num_hidden_layers != 1:
                 raise ValueError("an mla drafter has exactly one layer (SGLang 0.5.23's Eagle3DeepseekV2ForCausalLM): "
@@ -170,7 +183,6 @@ class TrainingSpec(StrictModel):
     eval_every_tokens: int = Field(0, ge=0)  # learning-curve points every this many training tokens (0 = end only)
     patience: int = Field(0, ge=0)  # early stop after this many points without a val-tau gain of min_delta (0 = off)
     min_delta: float = Field(0.0, ge=0)
-    aux_layer_ids: list[int] | None = None
     # Acceptance-length check: simulated chain drafting of acceptance_k tokens (SGLang --speculative-num-steps).
     acceptance_k: int = Field(7, gt=0)
     acceptance_max_positions: int | None = Field(None, gt=0)  # verification points per partition (null = all rows)
@@ -191,15 +203,30 @@ class TrainingSpec(StrictModel):
     nproc_per_node: int = Field(1, gt=0)
     mix: MixSpec = Field(default_factory=MixSpec)
     features: FeaturesSpec = Field(default_factory=FeaturesSpec)  # local | served (docs/served_features.md)
-    drafter: DrafterSpec = Field(default_factory=DrafterSpec)  # llama | mla, EAGLE-3.1 switches (docs/drafters.md)
+    drafter: DrafterSpec = Field(default_factory=DrafterSpec)  # llama | mla | dflash (docs/drafters.md)
+    # target features the drafter reads, capture numbering (c = output of target layer c - 1); declared after
+    # drafter: how many a family takes is checked against it
+    aux_layer_ids: list[int] | None = None
 
     @field_validator("aux_layer_ids")
     @classmethod
-    def _three_layers(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and (len(v) != 3 or any(i < 0 for i in v)):
+    def _capture_ids_fit_the_family(cls, v: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        drafter = info.data.get("drafter")
+        if drafter is not None and drafter.architecture == "dflash":
+            if v is not None and (not v or any(i < 1 for i in v) or len(set(v)) != len(v)):
+                raise ValueError("aux_layer_ids for a dflash drafter must be null (SGLang's default target layers) "
+                                 "or distinct capture ids >= 1 (c = the output of target layer c - 1)")
+        elif v is not None and (len(v) != 3 or any(i < 0 for i in v)):
             raise ValueError("aux_layer_ids must be null (SGLang default [2, L//2, L-3]) or three non-negative "
                              "layer ids")
         return v
+
+    @model_validator(mode="after")
+    def _dflash_runs_inline_on_local_features(self) -> TrainingSpec:
+        if self.drafter.architecture == "dflash" and (self.features.source == "served" or self.launcher == "torchrun"):
+            raise ValueError("a dflash drafter trains with features: local and launcher: inline for now (its served "
+                             "features and data-parallel loss are not built)")
+        return self
 
     @model_validator(mode="after")
     def _run_length(self) -> TrainingSpec:

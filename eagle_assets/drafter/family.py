@@ -28,13 +28,48 @@ FAMILIES: dict[str, str] = {
 }
 
 
+@dataclass(frozen=True)
+class DraftArchitecture:
+    """Which drafter to build (catalog ``training.drafter``), before it is resolved against a target: the family
+    (:func:`family_for` of ``architecture``) reads the fields it knows.
+
+    Attributes:
+        architecture: ``llama`` (SGLang ``LlamaForCausalLMEagle3``), ``mla`` (``Eagle3DeepseekV2ForCausalLM``),
+            ``dflash`` (``DFlashDraftModel``, a block drafter) or ``auto`` (EAGLE-3: ``mla`` for a target with
+            multi-latent attention, its config has ``kv_lora_rank``: DeepSeek-V3/R1, Kimi-K2.x; else ``llama``).
+        fc_norm / norm_output: the EAGLE-3.1 switches; None = on for ``mla`` (the public Kimi MLA drafts,
+            ``lightseekorg/kimi-k2.6-eagle3.1-mla``), off for ``llama`` (today's EAGLE-3 drafts and their acceptance).
+        norm_before_fc: one RMSNorm over the concatenated ``3H`` features before ``fc`` (llama only).
+        num_hidden_layers: decoder layers (llama, dflash: any >= 1; SGLang's MLA class takes exactly 1).
+        window: sliding attention window (tokens), None = full attention.
+        q_lora_rank ... v_head_dim: MLA shape; None = the target's own (``eagle3.model.MLA_DIMS``).
+        block_size: DFlash's block (``B - 1`` drafts per verification); None = 16.
+        mask_token_id: DFlash's mask token; None = the rule of ``dflash.family.mask_token_id``.
+    """
+
+    architecture: str = "auto"
+    fc_norm: bool | None = None
+    norm_output: bool | None = None
+    norm_before_fc: bool = False
+    num_hidden_layers: int = 1
+    window: int | None = None
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    block_size: int | None = None
+    mask_token_id: int | None = None
+
+
 class DraftModel(Protocol):
     """What the evaluation walks need of a trained drafter, whatever its family.
 
     Attributes:
         config: the family's drafter config; the walks read ``aux_capture_ids`` (the target layers whose hidden
             states feed the drafter, capture numbering) and ``vocab_size`` (the target's).
-        draft_token_ids: int64 ``[D]`` target ids of the draft vocab (``d2t`` applied), checked against the vocab.
+        draft_token_ids: int64 ``[D]`` target ids of the draft vocab (``d2t`` applied), checked against the vocab;
+            None for a draft that proposes over the target's whole vocab (DFlash).
         embed_weight: the target's input embedding the drafter uses (empty until attached).
     """
 
@@ -54,6 +89,25 @@ class DraftModel(Protocol):
     def train(self, mode: bool = True) -> Any: ...
 
 
+@dataclass
+class TrainBatch:
+    """One training step's rows on this rank, right-padded; every family reads what its loss needs.
+
+    Attributes:
+        aux: float32 ``[b, T, A]`` the target features at the family's capture ids (``A`` = ids x hidden).
+        ids: int64 ``[b, T]``; loss_mask: bool ``[b, T]`` (completion tokens; padding False).
+        supervision: the teacher of the batch (``features.teacher.Supervision``: the target's distribution over the
+            draft vocab at the teacher positions).
+        draft_token_ids: int64 ``[D]`` the draft vocab's target ids.
+    """
+
+    aux: Any
+    ids: Any
+    loss_mask: Any
+    supervision: Any
+    draft_token_ids: Any
+
+
 @dataclass(frozen=True)
 class DraftFamily:
     """One drafter family: what the training loop, the export check and the evaluation call.
@@ -63,12 +117,19 @@ class DraftFamily:
         architectures: the catalog's ``training.drafter.architecture`` values it trains (``auto`` resolves among
             them against the target).
         checkpoint_architectures: the ``architectures`` names of its exported ``config.json`` (SGLang's classes).
-        config_from_target: ``(target_config, draft_vocab_size, aux_capture_ids, intermediate_size, architecture)``
+        capture_ids: ``(target_layers, catalog aux_layer_ids or None, DraftArchitecture)`` -> the target features
+            the draft reads, in capture numbering (HF ``hidden_states`` index: ``c`` = the output of layer
+            ``c - 1``).
+        config_from_target: ``(target_config, draft_vocab_size, capture_ids, intermediate_size, DraftArchitecture)``
             -> the family's drafter config.
-        build_model: ``(config, embed_weight, draft_token_ids)`` -> a fresh ``nn.Module`` :class:`DraftModel`.
-        batch_loss: ``(model, aux, ids, supervision, step_weights, draft_token_ids, normalizer=None)`` ->
-            ``(loss, [(positions, summed soft CE, correct argmaxes) per step])``.
-        export: ``(model, target_config, draft_vocab, aux_capture_ids, out_dir, ...)`` -> the checkpoint report.
+        build_model: ``(config, embed_weight, draft_token_ids, lm_head_weight)`` -> a fresh ``nn.Module``
+            :class:`DraftModel` (the target's float32 ``[V, H]`` embedding and LM head).
+        loss_steps: ``(config, ttt_steps)`` -> how many per-step figures ``batch_loss`` reports (EAGLE-3: the
+            recipe's ``ttt_steps``; DFlash: block slots 1..B-1).
+        batch_loss: ``(model, TrainBatch, step_weights, normalizer=None)`` ->
+            ``(loss, [(positions, summed CE, correct argmaxes) per step])``.
+        export: ``(model, target_config, draft_vocab, aux_capture_ids, out_dir, dtype=...)`` -> the checkpoint
+            report.
         validate: ``(checkpoint_dir, target_config=None)`` -> the checkpoint report; raises on a broken export.
         load: ``(checkpoint_dir, target=None)`` -> ``(DraftModel in eval mode, DraftVocab)``.
         serve_flags: ``(checkpoint_dir, k)`` -> the SGLang ``launch_server`` flags that serve it.
@@ -77,8 +138,10 @@ class DraftFamily:
     name: str
     architectures: tuple[str, ...]
     checkpoint_architectures: tuple[str, ...]
+    capture_ids: Callable[..., list[int]]
     config_from_target: Callable[..., Any]
     build_model: Callable[..., Any]
+    loss_steps: Callable[[Any, int], int]
     batch_loss: Callable[..., Any]
     export: Callable[..., Any]
     validate: Callable[..., Any]

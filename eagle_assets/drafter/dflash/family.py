@@ -1,18 +1,106 @@
-"""The DFlash family's entry in the registry (``drafter.family.FAMILIES``)."""
+"""The DFlash family's entry in the registry (``drafter.family.FAMILIES``), and the choices the catalog leaves to it:
+the target layers read and the mask token."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from eagle_assets.drafter.dflash.export import export_checkpoint, load_drafter, serve_flags, validate_checkpoint
-from eagle_assets.drafter.dflash.model import ARCHITECTURE, DFlashDraftModel, block_loss, config_from_target
-from eagle_assets.drafter.family import DraftFamily
+from eagle_assets.drafter.dflash.model import (
+    ARCHITECTURE,
+    DEFAULT_BLOCK_SIZE,
+    DFlashConfig,
+    DFlashDraftModel,
+    anchors_of,
+    block_loss,
+    build_target_layer_ids,
+    config_from_target,
+)
+from eagle_assets.drafter.family import DraftArchitecture, DraftFamily, TrainBatch
+
+#: the mask token SGLang 0.5.23 looks up when a config names no id (``dflash_utils.DEFAULT_DFLASH_MASK_TOKEN``)
+MASK_TOKEN = "<|MASK|>"
+
+
+def capture_ids(target_layers: int, requested: list[int] | None, arch: DraftArchitecture) -> list[int]:
+    """The catalog's ``aux_layer_ids`` (capture numbering), else SGLang's default target layers for the draft's
+    depth (:func:`~eagle_assets.drafter.dflash.model.build_target_layer_ids`) as capture ids (``k + 1``)."""
+    if requested:
+        return sorted(set(int(c) for c in requested))
+    return [k + 1 for k in build_target_layer_ids(target_layers, arch.num_hidden_layers)]
+
+
+def mask_token_id(target_config: Any) -> int:
+    """The mask token of a target whose catalog names none, by SpecForge 0.2.0's order
+    (``training/model_utils.py::resolve_mask_token_id``) after SGLang's own lookup: the tokenizer's ``<|MASK|>``
+    (SGLang refuses a config id that differs from it), its ``mask_token_id``, its first unused embedding row
+    (``len(tokenizer)`` when below ``vocab_size``: padded vocabs such as Qwen3's have one), then pad, eos, unk.
+    The id is written to ``dflash_config.mask_token_id``, where SGLang reads it; its embedding row is the target's.
+
+    Raises:
+        ValueError: no candidate lies in ``[0, vocab_size)`` (set ``training.drafter.mask_token_id``).
+    """
+    get = (target_config.get if isinstance(target_config, dict) else
+           lambda name, default=None: getattr(target_config, name, default))
+    vocab = int(get("vocab_size"))
+    candidates: list[Any] = []
+    path = get("_name_or_path", None) or get("name_or_path", None)
+    if path:
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError):
+            tok = None
+        if tok is not None:
+            candidates += [tok.get_vocab().get(MASK_TOKEN), tok.mask_token_id, len(tok)]
+    candidates += [get("pad_token_id", None), get("eos_token_id", None), get("unk_token_id", None)]
+    for c in candidates:
+        c = c[0] if isinstance(c, (list, tuple)) and c else c
+        if isinstance(c, int) and not isinstance(c, bool) and 0 <= c < vocab:
+            return c
+    raise ValueError(f"no mask token id in [0, {vocab}) for this target: set training.drafter.mask_token_id")
+
+
+def draft_config(target_config: Any, _draft_vocab_size: int, capture: list[int], intermediate_size: int | None,
+                 arch: DraftArchitecture) -> DFlashConfig:
+    """The family interface's ``config_from_target``: target layers ``capture - 1``, the catalog's block size and
+    mask token (or 16 and :func:`mask_token_id`), ``num_hidden_layers`` draft layers."""
+    mask = arch.mask_token_id if arch.mask_token_id is not None else mask_token_id(target_config)
+    return config_from_target(target_config, mask, num_hidden_layers=arch.num_hidden_layers,
+                              block_size=arch.block_size or DEFAULT_BLOCK_SIZE,
+                              target_layer_ids=[c - 1 for c in capture], intermediate_size=intermediate_size)
+
+
+def build_model(config: DFlashConfig, embed_weight, _draft_token_ids, lm_head_weight) -> DFlashDraftModel:
+    """A fresh draft over the target's embedding and LM head (the draft vocab is not used: a DFlash draft proposes
+    over the whole target vocab)."""
+    return DFlashDraftModel(config, embed_weight, lm_head_weight)
+
+
+def batch_loss(model: DFlashDraftModel, batch: TrainBatch, _weights, normalizer=None):
+    """SpecForge 0.2.0's DFlash objective on the batch with every anchor of every row (SpecForge samples 512 per
+    row: every one for rows with fewer).
+
+    Raises:
+        ValueError: ``normalizer`` given (data-parallel DFlash training is not built: the catalog refuses it).
+    """
+    if normalizer is not None:
+        raise ValueError("DFlash training runs in one process (training.launcher: inline)")
+    mask = batch.loss_mask.long()
+    anchors, keep = anchors_of(mask)
+    return block_loss(model, batch.aux, batch.ids, mask, anchors, keep)
+
 
 FAMILY = DraftFamily(
     name="dflash",
     architectures=("dflash",),
     checkpoint_architectures=(ARCHITECTURE,),
-    config_from_target=config_from_target,
-    build_model=DFlashDraftModel,
-    batch_loss=block_loss,
+    capture_ids=capture_ids,
+    config_from_target=draft_config,
+    build_model=build_model,
+    loss_steps=lambda config, _ttt_steps: config.block_size - 1,
+    batch_loss=batch_loss,
     export=export_checkpoint,
     validate=validate_checkpoint,
     load=load_drafter,

@@ -212,8 +212,7 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("embed_weight", torch.empty(0), persistent=False)
         self.register_buffer("lm_head_weight", torch.empty(0), persistent=False)
-        # the evaluation walks check the drafter's vocab against the draft vocab's: the full target vocab here
-        self.register_buffer("draft_token_ids", torch.arange(c.vocab_size), persistent=False)
+        self.draft_token_ids = None  # no draft vocab: proposals range over the target's whole vocab
         if embed_weight is not None:
             self.attach_target(embed_weight, lm_head_weight)
 

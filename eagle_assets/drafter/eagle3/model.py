@@ -46,38 +46,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle_assets.drafter.family import DraftArchitecture
+
 ARCHITECTURES = ("llama", "mla")
 #: MLA shape fields, read from the target's config.json when the catalog does not set them.
 MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-
-
-@dataclass(frozen=True)
-class DraftArchitecture:
-    """Which drafter to build (catalog ``training.drafter``), before it is resolved against a target.
-
-    Attributes:
-        architecture: ``llama`` (SGLang ``LlamaForCausalLMEagle3``), ``mla`` (``Eagle3DeepseekV2ForCausalLM``) or
-            ``auto``: ``mla`` for a target with multi-latent attention (its config has ``kv_lora_rank``: DeepSeek-V3/R1,
-            Kimi-K2.x), else ``llama`` (Qwen3, Llama, ...).
-        fc_norm / norm_output: the EAGLE-3.1 switches; None = on for ``mla`` (the public Kimi MLA drafts,
-            ``lightseekorg/kimi-k2.6-eagle3.1-mla``), off for ``llama`` (today's EAGLE-3 drafts and their acceptance).
-        norm_before_fc: one RMSNorm over the concatenated ``3H`` features before ``fc`` (llama only).
-        num_hidden_layers: decoder layers (llama: any >= 1; SGLang's MLA class takes exactly 1).
-        window: sliding attention window (tokens), None = full attention.
-        q_lora_rank ... v_head_dim: MLA shape; None = the target's own (:data:`MLA_DIMS`).
-    """
-
-    architecture: str = "auto"
-    fc_norm: bool | None = None
-    norm_output: bool | None = None
-    norm_before_fc: bool = False
-    num_hidden_layers: int = 1
-    window: int | None = None
-    q_lora_rank: int | None = None
-    kv_lora_rank: int | None = None
-    qk_nope_head_dim: int | None = None
-    qk_rope_head_dim: int | None = None
-    v_head_dim: int | None = None
 
 
 def target_has_mla(target_config: Any) -> bool:

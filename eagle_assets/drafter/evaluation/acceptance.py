@@ -150,7 +150,8 @@ def drafting_mode(target_model: nn.Module, drafter: DraftModel, draft_vocab: Dra
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    if not torch.equal(drafter.draft_token_ids.cpu(), torch.from_numpy(draft_vocab.draft_token_ids)):
+    if drafter.draft_token_ids is not None and not torch.equal(drafter.draft_token_ids.cpu(),
+                                                              torch.from_numpy(draft_vocab.draft_token_ids)):
         raise ValueError("draft_vocab is not the vocab this drafter was trained with (draft ids differ)")
     if drafter.embed_weight.numel() == 0:
         drafter.attach_embedding(target_model.get_input_embeddings().weight.float())

@@ -73,6 +73,10 @@ class LocalFeatures:
         self.num_layers = len(layers)
         self.embedding = target.get_input_embeddings().weight
 
+    def lm_head_weight(self) -> torch.Tensor:
+        """The target's whole LM head, float32 ``[V, H]`` (a block drafter borrows it)."""
+        return self.lm_head.weight.detach().float()
+
     def teacher(self, draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The lm_head rows (and bias) of the draft vocab: float32 ``[D, H]``, ``[D]`` or None."""
         bias = getattr(self.lm_head, "bias", None)
@@ -318,6 +322,11 @@ class ServedFeatures:
         view.rows = kept  # the very list the trainer keeps, so feature_cache() finds this view by it
         self.views[split] = view
         return kept
+
+    def lm_head_weight(self) -> None:
+        """None: the target's LM head is not read here (the catalog refuses a block drafter with served
+        features)."""
+        return None
 
     def teacher(self, draft_ids: torch.Tensor) -> tuple[None, None]:
         """No lm_head here: the teacher comes with the served features."""

@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch import nn
 
-from eagle_assets.drafter.features.teacher import Supervision
+from eagle_assets.drafter.family import TrainBatch
 
 T = TypeVar("T")
 
@@ -166,28 +166,25 @@ class DataParallel:
         loss: Callable[..., tuple[torch.Tensor, list[tuple[int, float, int]]]],
         model: nn.Module,
         objective: nn.Module | None,
-        aux: torch.Tensor | None,
-        ids: torch.Tensor | None,
-        sup: Supervision | None,
+        batch: TrainBatch | None,
         weights: Sequence[float],
-        draft_ids: torch.Tensor,
     ) -> tuple[torch.Tensor, float, list[tuple[int, float, int]], int]:
         """The loss of this rank's shard of a global batch, and the global batch's metrics.
 
         Args:
             loss: the drafter family's ``batch_loss`` (``drafter.family.DraftFamily``).
             model: the drafter; objective: :meth:`wrap`'s module (None for a single process).
-            aux / ids / sup: this rank's shard (float32 ``[B, T, 3H]``, int64 ``[B, T]``, its
-                :class:`Supervision`); all None for an empty shard.
-            weights: per TTT step its loss weight; draft_ids: int64 ``[D]``.
+            batch: this rank's shard (``drafter.family.TrainBatch``); None for an empty shard.
+            weights: per step its loss weight.
 
         Returns:
-            ``(loss to backward, weighted TTT loss of the global batch, per TTT step (supervised positions, summed
-            soft CE, correct argmaxes) of the global batch, out-of-draft positions of the global batch)``. The
-            loss has no gradient when the global batch supervises nothing (every rank then skips the step).
+            ``(loss to backward, weighted loss of the global batch, per step (supervised positions, summed CE,
+            correct argmaxes) of the global batch, out-of-draft positions of the global batch)``. The loss has no
+            gradient when the global batch supervises nothing (every rank then skips the step).
         """
+        sup = batch.supervision if batch is not None else None
         if self.world == 1:
-            total, per_step = loss(model, aux, ids, sup, weights, draft_ids)
+            total, per_step = loss(model, batch, weights)
             return total, float(total.detach()), per_step, sup.out_of_draft
         k = len(weights)
         local = [int((sup.position > i).sum()) for i in range(k)] + [sup.out_of_draft] if sup is not None \
@@ -196,7 +193,7 @@ class DataParallel:
         n_global, out_of_draft = counts[:k], counts[k]
         if not any(n_global):
             return torch.zeros(()), 0.0, [(0, 0.0, 0)] * k, out_of_draft
-        total, per_step = objective(loss, aux, ids, sup, weights, draft_ids, n_global)
+        total, per_step = objective(loss, batch, weights, n_global)
         sums = self.all_sum([ce for _, ce, _ in per_step] + [c for _, _, c in per_step])
         per_step = [(n_global[i], sums[i], int(sums[k + i])) for i in range(k)]
         value = sum(w * ce / n for w, (n, ce, _) in zip(weights, per_step) if n)
@@ -211,14 +208,14 @@ class _Objective(nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, loss, aux, ids, sup, weights, draft_ids, normalizer):
+    def forward(self, loss, batch, weights, normalizer):
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         # Every parameter takes part in every backward (DDP waits for a gradient of each): a rank with an empty
         # shard, or with no position at some TTT step, contributes exact zeros.
         zero = sum(p.sum() for p in params) * 0.0
-        if sup is None:
+        if batch is None:
             return zero, [(0, 0.0, 0)] * len(weights)
-        total, per_step = loss(self.drafter, aux, ids, sup, weights, draft_ids, normalizer=normalizer)
+        total, per_step = loss(self.drafter, batch, weights, normalizer=normalizer)
         return total + zero, per_step
 
 

@@ -32,9 +32,8 @@ from torch import nn
 
 from eagle_assets.drafter.data.vocab import DraftVocab
 from eagle_assets.drafter.evaluation.acceptance import AcceptanceResult, simulate_acceptance
-from eagle_assets.drafter.family import family_for
-from eagle_assets.drafter.features.local_cache import cache_bytes, make_batches, pad, prepare_rows
-from eagle_assets.drafter.features.local_capture import aux_layer_ids
+from eagle_assets.drafter.family import TrainBatch, family_for
+from eagle_assets.drafter.features.local_cache import PreparedRow, cache_bytes, make_batches, pad, prepare_rows
 from eagle_assets.drafter.features.source import feature_source
 from eagle_assets.drafter.training.distributed import DataParallel
 from eagle_assets.drafter.training.learning_curve import CurvePoint, EarlyStopping, StepMetrics
@@ -282,7 +281,8 @@ class _Run:
                 f"the draft vocab was built for a vocab of {draft_vocab.target_vocab_size} ids but the target's "
                 f"embedding has {vocab_size} rows; rebuild draft_vocab with target_vocab_size={vocab_size}"
             )
-        self.capture = aux_layer_ids(self.source.num_layers, config.aux_layer_ids)
+        self.family = family_for(config.drafter.architecture)
+        self.capture = self.family.capture_ids(self.source.num_layers, config.aux_layer_ids, config.drafter)
         self.rows, self.reasons, self.truncated = prepare_rows(rows, vocab_size, config.max_length)
         self.rows = self.source.admit(self.rows, self.reasons, "train", self.capture, draft_vocab,
                                       parallel=self.parallel, batch_tokens=config.batch_tokens)
@@ -310,21 +310,21 @@ class _Run:
         )
 
         self.dtype_name = config.export_dtype or _stored_dtype(target_dir, self.target.config)
-        self.family = family_for(config.drafter.architecture)
         self.dconf = self.family.config_from_target(self.target.config, draft_vocab.draft_vocab_size, self.capture,
                                                     config.intermediate_size, config.drafter)
         # The caller runs us inside torch.random.fork_rng: seeding here neither reads nor disturbs its generator.
         torch.manual_seed(config.seed)
         self.draft_ids = torch.from_numpy(draft_vocab.draft_token_ids)
-        self.model = self.family.build_model(self.dconf, embed.float(), self.draft_ids)
-        self.model.train()
         self.teacher_w, self.teacher_b = self.source.teacher(self.draft_ids)  # lm_head rows (None when served)
+        self.model = self.family.build_model(self.dconf, embed.float(), self.draft_ids, self.source.lm_head_weight())
+        self.model.train()
         self.in_draft = torch.from_numpy(draft_vocab.t2d)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(0.9, 0.95),
                                            weight_decay=config.weight_decay)
-        self.weights = [config.step_weight**i for i in range(config.ttt_steps)]
-        self.progress = Progress.fresh(config.ttt_steps)
+        self.n_steps = self.family.loss_steps(self.dconf, config.ttt_steps)  # per-step figures of the loss
+        self.weights = [config.step_weight**i for i in range(self.n_steps)]
+        self.progress = Progress.fresh(self.n_steps)
         self.stopping = EarlyStopping(config.patience, config.min_delta)
         self.best: dict[str, torch.Tensor] | None = None
         self.fingerprint: dict[str, Any] = {}
@@ -380,7 +380,7 @@ class _Run:
     def train(self) -> None:
         """Run the remaining optimizer steps (or none, for a finished state)."""
         config, plan, progress = self.config, self.plan, self.progress
-        k, n_batches = config.ttt_steps, plan.batches_per_epoch
+        k, n_batches = self.n_steps, plan.batches_per_epoch
         seconds_before = progress.train_seconds
         order: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
         t_train = time.perf_counter()
@@ -418,24 +418,28 @@ class _Run:
                       f"{config.min_delta} in {config.patience} evaluations (best {self.stopping.best_tau:.3f} at "
                       f"step {self.stopping.best_step})")
 
+    def _batch(self, rows: list[PreparedRow], features: Any, index: list[int]) -> TrainBatch:
+        """The family's view of ``rows[index]`` (right-padded), with their cached or fetched target features."""
+        feats = features.get(index)
+        return TrainBatch(
+            aux=torch.nn.utils.rnn.pad_sequence([f[0] for f in feats], batch_first=True),
+            ids=pad([rows[i].ids for i in index]),
+            loss_mask=pad([rows[i].mask.astype(np.int64) for i in index]).bool(),
+            supervision=self.source.supervision([rows[i].teacher for i in index], feats, self.in_draft,
+                                                self.teacher_w, self.teacher_b),
+            draft_token_ids=self.draft_ids)
+
     def _step(self, step_no: int, epoch: int, batch: list[int]) -> None:
         config, progress = self.config, self.progress
         t_step = time.perf_counter()
         local = self.parallel.shard(batch)  # this rank's rows of the global batch (all of them for one process)
-        aux = ids = sup = None
-        if local:
-            feats = self.features.get(local)
-            ids = pad([self.rows[i].ids for i in local])
-            aux = torch.nn.utils.rnn.pad_sequence([f[0] for f in feats], batch_first=True)
-            sup = self.source.supervision([self.rows[i].teacher for i in local], feats, self.in_draft, self.teacher_w,
-                              self.teacher_b)
+        train_batch = self._batch(self.rows, self.features, local) if local else None
         lr = lr_at(step_no, self.plan.total_steps, self.plan.warmup_steps, config.lr, config.min_lr_ratio,
                    config.schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total, loss, per_step, out_of_draft = self.parallel.batch_loss(self.family.batch_loss, self.model,
-                                                                       self.objective, aux, ids, sup, self.weights,
-                                                                       self.draft_ids)
+                                                                       self.objective, train_batch, self.weights)
         if epoch == 0:
             progress.out_of_draft += out_of_draft
         s_loss = [ce / n if n else None for n, ce, _ in per_step]
@@ -500,16 +504,12 @@ class _Run:
         p = self.progress
         self.model.eval()
         try:
-            ce_sum = [0.0] * self.config.ttt_steps
-            correct = [0] * self.config.ttt_steps
-            count = [0] * self.config.ttt_steps
+            ce_sum = [0.0] * self.n_steps
+            correct = [0] * self.n_steps
+            count = [0] * self.n_steps
             for batch in make_batches(self.validation, self.config.batch_tokens):
-                feats = self.val_features.get(batch)
-                ids = pad([self.validation[i].ids for i in batch])
-                aux = torch.nn.utils.rnn.pad_sequence([f[0] for f in feats], batch_first=True)
-                sup = self.source.supervision([self.validation[i].teacher for i in batch], feats, self.in_draft,
-                                  self.teacher_w, self.teacher_b)
-                _, per_step = self.family.batch_loss(self.model, aux, ids, sup, self.weights, self.draft_ids)
+                _, per_step = self.family.batch_loss(self.model, self._batch(self.validation, self.val_features,
+                                                                            batch), self.weights)
                 for i, (n, ce, c) in enumerate(per_step):
                     ce_sum[i] += ce
                     correct[i] += c

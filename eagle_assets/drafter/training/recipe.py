@@ -66,7 +66,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from eagle_assets.drafter.eagle3.model import DraftArchitecture
+from eagle_assets.drafter.family import DraftArchitecture
 
 #: learning-rate schedules :func:`lr_at` knows.
 SCHEDULES = ("cosine", "constant")
@@ -110,7 +110,7 @@ class TrainConfig:
         keep_best: export the weights of the best validation tau (True) or the last step's (False).
         save_every_steps: with a ``state_dir``, a training state is written every this many optimizer steps and at
             the end of every epoch and evaluation (0 = at those points only). Ignored without a ``state_dir``.
-        drafter: which drafter to build (:class:`~eagle_assets.drafter.model.DraftArchitecture`; resolved against
+        drafter: which drafter to build (:class:`~eagle_assets.drafter.family.DraftArchitecture`; resolved against
             the target, it is part of the drafter config every saved state is fingerprinted with).
     """
 
