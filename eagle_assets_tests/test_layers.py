@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("drafter.data",),       # stage 5: the rows a drafter learns from and is tested on, the draft vocab
     ("drafter.features",),   #   what the target gives a row: aux hidden states (local or served), the teacher
     ("drafter.family",),     #   what a drafter family gives training and evaluation, and the registry of families
-    ("drafter.eagle3", "drafter.dflash"),  # the families: EAGLE-3 (Llama / MLA), DFlash (block drafter)
+    ("drafter.eagle3", "drafter.dflash", "drafter.dspark"),  # the families: EAGLE-3, DFlash, DSpark
     ("drafter.evaluation",), #   acceptance walks, suites, reports, verdicts (the training loop measures with them)
     ("drafter.training", "drafter"),  # the loop any family plugs into, its recipe, state and launch
     ("exports",),            # stage 6: speculators / SpecForge exports

@@ -112,6 +112,10 @@ class FeaturesSpec(StrictModel):
         return [self.url] if isinstance(self.url, str) else list(self.url)
 
 
+#: the block drafters (one forward drafts a block): their own settings, their own limits
+BLOCK_DRAFTERS = ("dflash", "dspark")
+
+
 class DrafterSpec(StrictModel):
     """``training.drafter``: which drafter is trained and exported (``drafter.family.DraftArchitecture``).
 
@@ -123,10 +127,12 @@ class DrafterSpec(StrictModel):
     dims (null = the target's own). ``dflash``: SGLang's ``DFlashDraftModel`` block drafter (docs/drafters.md), with
     ``num_hidden_layers``, ``block_size`` (``B``: ``B - 1`` drafts per verification; null = 16) and ``mask_token_id``
     (null = ``drafter.dflash.family.mask_token_id``'s rule); its target layers are ``training.aux_layer_ids``
-    (capture numbering; null = SGLang's default for the draft's depth).
+    (capture numbering; null = SGLang's default for the draft's depth). ``dspark``: SGLang's ``DSparkDraftModel``
+    (DFlash's backbone with a Markov head and a confidence head), ``block_size`` its drafts per verification
+    (null = 7).
     """
 
-    architecture: Literal["auto", "llama", "mla", "dflash"] = "auto"
+    architecture: Literal["auto", "llama", "mla", "dflash", "dspark"] = "auto"
     fc_norm: bool | None = None
     norm_output: bool | None = None
     norm_before_fc: bool = False
@@ -145,11 +151,13 @@ class DrafterSpec(StrictModel):
         eagle_only = [name for name in ("fc_norm", "norm_output", "window", "q_lora_rank", "kv_lora_rank",
                                         "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
                       if getattr(self, name) is not None] + (["norm_before_fc"] if self.norm_before_fc else [])
-        if self.architecture == "dflash" and eagle_only:
-            raise ValueError(f"{eagle_only} are EAGLE-3 settings: leave them unset for architecture dflash")
-        if self.architecture != "dflash" and (self.block_size is not None or self.mask_token_id is not None):
-            raise ValueError("block_size and mask_token_id are DFlash settings: set architecture: dflash or leave "
-                             "them unset")
+        block = self.architecture in BLOCK_DRAFTERS
+        if block and eagle_only:
+            raise ValueError(f"{eagle_only} are EAGLE-3 settings: leave them unset for architecture "
+                             f"{self.architecture}")
+        if not block and (self.block_size is not None or self.mask_token_id is not None):
+            raise ValueError("block_size and mask_token_id are block-drafter settings: set architecture: dflash or "
+                             "dspark, or leave them unset")
         if self.architecture == "mla":
             if self.num_hidden_layers != 1:
                 raise ValueError("an mla drafter has exactly one layer (SGLang 0.5.23's Eagle3DeepseekV2ForCausalLM): "
@@ -203,7 +211,7 @@ class TrainingSpec(StrictModel):
     nproc_per_node: int = Field(1, gt=0)
     mix: MixSpec = Field(default_factory=MixSpec)
     features: FeaturesSpec = Field(default_factory=FeaturesSpec)  # local | served (docs/served_features.md)
-    drafter: DrafterSpec = Field(default_factory=DrafterSpec)  # llama | mla | dflash (docs/drafters.md)
+    drafter: DrafterSpec = Field(default_factory=DrafterSpec)  # llama | mla | dflash | dspark (docs/drafters.md)
     # target features the drafter reads, capture numbering (c = output of target layer c - 1); declared after
     # drafter: how many a family takes is checked against it
     aux_layer_ids: list[int] | None = None
@@ -212,9 +220,9 @@ class TrainingSpec(StrictModel):
     @classmethod
     def _capture_ids_fit_the_family(cls, v: list[int] | None, info: ValidationInfo) -> list[int] | None:
         drafter = info.data.get("drafter")
-        if drafter is not None and drafter.architecture == "dflash":
+        if drafter is not None and drafter.architecture in BLOCK_DRAFTERS:
             if v is not None and (not v or any(i < 1 for i in v) or len(set(v)) != len(v)):
-                raise ValueError("aux_layer_ids for a dflash drafter must be null (SGLang's default target layers) "
+                raise ValueError("aux_layer_ids for a block drafter must be null (SGLang's default target layers) "
                                  "or distinct capture ids >= 1 (c = the output of target layer c - 1)")
         elif v is not None and (len(v) != 3 or any(i < 0 for i in v)):
             raise ValueError("aux_layer_ids must be null (SGLang default [2, L//2, L-3]) or three non-negative "
@@ -223,9 +231,10 @@ class TrainingSpec(StrictModel):
 
     @model_validator(mode="after")
     def _dflash_runs_inline_on_local_features(self) -> TrainingSpec:
-        if self.drafter.architecture == "dflash" and (self.features.source == "served" or self.launcher == "torchrun"):
-            raise ValueError("a dflash drafter trains with features: local and launcher: inline for now (its served "
-                             "features and data-parallel loss are not built)")
+        if self.drafter.architecture in BLOCK_DRAFTERS and (self.features.source == "served"
+                                                            or self.launcher == "torchrun"):
+            raise ValueError(f"a {self.drafter.architecture} drafter trains with features: local and launcher: "
+                             "inline for now (its served features and data-parallel loss are not built)")
         return self
 
     @model_validator(mode="after")

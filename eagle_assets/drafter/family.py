@@ -25,6 +25,7 @@ import numpy as np
 FAMILIES: dict[str, str] = {
     "eagle3": "eagle_assets.drafter.eagle3.family",
     "dflash": "eagle_assets.drafter.dflash.family",
+    "dspark": "eagle_assets.drafter.dspark.family",
 }
 
 
@@ -99,6 +100,8 @@ class TrainBatch:
         supervision: the teacher of the batch (``features.teacher.Supervision``: the target's distribution over the
             draft vocab at the teacher positions).
         draft_token_ids: int64 ``[D]`` the draft vocab's target ids.
+        target_hidden: float32 ``[b, T, H]`` the target's post-norm final hidden (its LM head's input) at every
+            teacher position (a position whose next token is supervised), zeros elsewhere.
     """
 
     aux: Any
@@ -106,6 +109,7 @@ class TrainBatch:
     loss_mask: Any
     supervision: Any
     draft_token_ids: Any
+    target_hidden: Any = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,8 @@ class DraftFamily:
         validate: ``(checkpoint_dir, target_config=None)`` -> the checkpoint report; raises on a broken export.
         load: ``(checkpoint_dir, target=None)`` -> ``(DraftModel in eval mode, DraftVocab)``.
         serve_flags: ``(checkpoint_dir, k)`` -> the SGLang ``launch_server`` flags that serve it.
+        wants_target_hidden: its loss reads ``TrainBatch.target_hidden`` (built only then: a ``[b, T, H]`` tensor
+            per step).
     """
 
     name: str
@@ -147,6 +153,7 @@ class DraftFamily:
     validate: Callable[..., Any]
     load: Callable[..., Any]
     serve_flags: Callable[..., list[str]]
+    wants_target_hidden: bool = False
 
 
 class UnknownFamilyError(ValueError):

@@ -1,5 +1,6 @@
-"""Run in the SGLang 0.5.23 CPU venv (test-only): load exported DFlash drafts into SGLang's own ``DFlashDraftModel``
-and draft blocks with SGLang's own modules, driven as its ``DFlashWorkerV2`` drives the draft.
+"""Run in the SGLang 0.5.23 CPU venv (test-only): load exported DFlash and DSpark drafts into SGLang's own
+``DFlashDraftModel`` / ``DSparkDraftModel`` and draft blocks with SGLang's own modules, driven as its
+``DFlashWorkerV2`` / DSpark ``DraftBlockProposer`` drive the draft.
 
     python dflash_blocks.py CASES.json OUT.json
 
@@ -8,8 +9,12 @@ embed [V, H] float32, lm_head [V, H] float32, "positions": [p, ...]}]}``. For ea
 positions ``0..p`` and the target just emitted ``ids[p + 1]`` (the anchor, whose own features are not computed);
 the block is ``[ids[p + 1], mask x (B - 1)]`` at positions ``p + 1 .. p + B``, the context the features of
 positions ``0..p``, and the proposals are ``argmax(lm_head(out[1:]))`` (``dflash_worker_v2.py``: slot 0 discarded,
-slot ``k`` the token at ``anchor + k``). ``OUT.json``: per case the blocks (``[len(P), B - 1]`` target ids), their
-logits, and the load report (parameters ``load_weights`` wrote / left untouched, tensors consumed).
+slot ``k`` the token at ``anchor + k``). DSpark (``sample_from_anchor``): the block is ``[ids[p + 1], mask x (g - 1)]``
+and SGLang's own ``compute_base_logits`` and ``draft_markov_block`` (temperature 0) propose ``g`` tokens, slot ``k``
+the token at ``anchor + k + 1``, each Markov bias from the anchor or the previous draft; its ``compute_confidence``
+gives the confidence of each draft (the head is built: ``SGLANG_RAGGED_VERIFY_MODE=compact``). ``OUT.json``: per
+case the blocks (target ids), their logits, the confidences (DSpark) and the load report (parameters
+``load_weights`` wrote / left untouched, tensors consumed).
 
 What is SGLang's and what is a reference here:
 
@@ -56,11 +61,13 @@ def _init():
 def _load(checkpoint):
     from safetensors.torch import load_file
     from sglang.srt.models.dflash import DFlashDraftModel
+    from sglang.srt.models.dspark import DSparkDraftModel
     from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(checkpoint)
-    model = DFlashDraftModel(config).float()
+    cls = DSparkDraftModel if config.architectures == ["DSparkDraftModel"] else DFlashDraftModel
+    model = cls(config).float()
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float("nan"))
@@ -75,7 +82,7 @@ def _load(checkpoint):
     return model, parsed, written, untouched, {"tensors": len(weights), "consumed": consumed}
 
 
-def _block(model, aux, ids, embed, lm_head, p, mask_id, block):
+def _hidden(model, aux, ids, embed, p, mask_id, block):
     from sglang.srt.models.utils import apply_qk_norm
 
     anchor = p + 1
@@ -109,11 +116,34 @@ def _block(model, aux, ids, embed, lm_head, p, mask_id, block):
         h, residual = layer.post_attention_layernorm(out, residual)
         x = layer.mlp(h)
     out, _ = model.norm(x, residual)
-    logits = out[1:] @ lm_head.T
-    return logits.argmax(-1).tolist(), logits.tolist()
+    return out
+
+
+def _dspark_block(model, anchor_token, hidden, embed, lm_head):
+    """SGLang's DSpark proposal at temperature 0 (``DraftBlockProposer``'s calls), and its confidences."""
+    from sglang.srt.speculative.dspark_components.dspark_draft import DraftNoise, draft_markov_block
+
+    class NoSync:  # tensor parallelism of one: nothing to gather
+        def sync(self, site, values):
+            return values
+
+    head = torch.nn.Module()
+    head.weight, head.org_vocab_size, head.quant_method, head.tp_size = lm_head, lm_head.shape[0], None, 1
+    model.attach_shared_modules(embed_tokens=torch.nn.Embedding.from_pretrained(embed), lm_head=head)
+    g, v = hidden.shape[0], lm_head.shape[0]
+    base, features = model.compute_base_logits(hidden)
+    tokens, step_logits = draft_markov_block(
+        markov_head=model.markov_head, base_logits=base.view(1, g, v), anchor_tokens=anchor_token.view(1),
+        draft_hidden=hidden.view(1, g, -1), step_temperatures=torch.zeros(1),
+        noise=DraftNoise(key=1, offset=torch.zeros(1, dtype=torch.int64)), tp_sync=NoSync(), greedy_draft=False)
+    confidence, _raw = model.compute_confidence(anchor_tokens=anchor_token.view(1), draft_tokens=tokens,
+                                                confidence_features=features)
+    return tokens[0].tolist(), step_logits[0].tolist(), confidence[0].tolist()
 
 
 def main(cases_path, out_path):
+    # DSpark's confidence head is built only in a ragged verify mode; DFlash reads no such setting
+    os.environ["SGLANG_RAGGED_VERIFY_MODE"] = "compact"
     cases = json.loads(open(cases_path).read())["cases"]
     _init()
     results = {}
@@ -123,14 +153,22 @@ def main(cases_path, out_path):
         aux, ids = torch.from_numpy(data["aux"]).float(), torch.from_numpy(data["ids"]).long()
         embed, lm_head = torch.from_numpy(data["embed"]).float(), torch.from_numpy(data["lm_head"]).float()
         mask_id, block = parsed.mask_token_id, parsed.resolve_block_size(default=16)
-        blocks, logits = [], []
+        dspark = hasattr(model, "markov_head")
+        blocks, logits, confidences = [], [], []
         with torch.no_grad():
             for p in case["positions"]:
-                got, lg = _block(model, aux, ids, embed, lm_head, p, mask_id, block)
+                out = _hidden(model, aux, ids, embed, p, mask_id, block)
+                if dspark:
+                    got, lg, conf = _dspark_block(model, ids[p + 1], out, embed, lm_head)
+                    confidences.append(conf)
+                else:
+                    step = out[1:] @ lm_head.T  # DFlashWorkerV2: slot 0 discarded
+                    got, lg = step.argmax(-1).tolist(), step.tolist()
                 blocks.append(got)
                 logits.append(lg)
         results[case["name"]] = {"written": written, "untouched": untouched, **counts, "blocks": blocks,
-                                 "logits": logits, "mask_token_id": mask_id, "block_size": block,
+                                 "logits": logits, "confidences": confidences, "mask_token_id": mask_id,
+                                 "block_size": block,
                                  "target_layer_ids": list(parsed.target_layer_ids or [])}
     with open(out_path, "w") as f:
         json.dump(results, f)

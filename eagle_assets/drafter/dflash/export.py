@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle_assets.drafter.data.vocab import DraftVocab, draft_vocab_from_arrays
-from eagle_assets.drafter.dflash.model import ARCHITECTURE, DFlashConfig, DFlashDraftModel
+from eagle_assets.drafter.dflash.model import DFlashConfig, DFlashDraftModel
 
 WEIGHTS = "model.safetensors"
 
@@ -54,42 +54,9 @@ class CheckpointReport:
         return n
 
 
-def dflash_config_json(config: DFlashConfig) -> dict[str, Any]:
-    """The ``config.json`` SGLang 0.5.23 reads for ``config`` (module docstring)."""
-    c = config
-    dflash = {"target_layer_ids": list(c.target_layer_ids), "mask_token_id": c.mask_token_id,
-              "block_size": c.block_size}
-    return {
-        **c.extra,
-        "architectures": [ARCHITECTURE], "model_type": "qwen3", "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings, "hidden_act": "silu",
-        "attention_bias": False, "vocab_size": c.vocab_size, "num_hidden_layers": c.num_hidden_layers,
-        "num_target_layers": c.num_target_layers, "block_size": c.block_size,
-        "layer_types": ["full_attention"] * c.num_hidden_layers, "use_sliding_window": False,
-        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": c.torch_dtype,
-        "dflash_config": dflash,
-    }
-
-
-def config_from_json(cfg: dict[str, Any]) -> DFlashConfig:
-    """The :class:`DFlashConfig` of an exported ``config.json`` (``dflash_config`` first, then the top level)."""
-    d = cfg.get("dflash_config") or {}
-    pick = (lambda name: d[name] if name in d else cfg[name])
-    return DFlashConfig(
-        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-        num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
-        head_dim=cfg["head_dim"], rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
-        max_position_embeddings=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"],
-        num_target_layers=cfg["num_target_layers"], target_layer_ids=list(pick("target_layer_ids")),
-        mask_token_id=int(pick("mask_token_id")), num_hidden_layers=cfg["num_hidden_layers"],
-        block_size=int(pick("block_size")), torch_dtype=cfg.get("torch_dtype", "float32"))
-
-
 def expected_tensors(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor SGLang's ``DFlashDraftModel`` needs, by checkpoint name, with its shape."""
-    model = DFlashDraftModel(config)
+    """Every tensor SGLang's class for ``config`` needs, by checkpoint name, with its shape."""
+    model = config.build()
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
@@ -114,21 +81,22 @@ def export_checkpoint(model: DFlashDraftModel, target_config: Any, draft_vocab: 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     tensors = {k: v.detach().to(torch_dtype).contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-    config = dflash_config_json(model.config)
+    config = model.config.to_json()
     config["torch_dtype"] = dtype
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    validate_checkpoint(tmp)
+    validate_checkpoint(tmp, config_cls=type(model.config))
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-    return validate_checkpoint(out)
+    return validate_checkpoint(out, config_cls=type(model.config))
 
 
-def validate_checkpoint(checkpoint_dir: str | Path, target_config: Any = None) -> CheckpointReport:
+def validate_checkpoint(checkpoint_dir: str | Path, target_config: Any = None,
+                        config_cls: type[DFlashConfig] = DFlashConfig) -> CheckpointReport:
     """Check an exported draft against what SGLang 0.5.23 loads: the architecture, the ``dflash_config`` keys,
     every expected tensor present with its shape and nothing else (SGLang would skip an unknown name silently and
     leave a missing parameter unwritten), finite values; against ``target_config`` when given: the vocab, width
-    and depth.
+    and depth. ``config_cls``: the family's config (DFlash's, or a subclass such as DSpark's).
 
     Raises:
         CheckpointError: every problem found, in one message.
@@ -137,11 +105,11 @@ def validate_checkpoint(checkpoint_dir: str | Path, target_config: Any = None) -
     problems: list[str] = []
     try:
         cfg = json.loads((path / "config.json").read_text())
-        config = config_from_json(cfg)
+        config = config_cls.from_json(cfg)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: no valid DFlash config.json ({type(exc).__name__}: {exc})") from None
-    if cfg.get("architectures") != [ARCHITECTURE]:
-        problems.append(f"architectures is {cfg.get('architectures')!r}, must be [{ARCHITECTURE!r}]")
+    if cfg.get("architectures") != [config.architecture]:
+        problems.append(f"architectures is {cfg.get('architectures')!r}, must be [{config.architecture!r}]")
     if "is_causal" in cfg:
         problems.append("is_causal is set: SGLang would run every layer causal, not bidirectional in a block")
     for key in ("target_layer_ids", "mask_token_id"):
@@ -178,16 +146,17 @@ def validate_checkpoint(checkpoint_dir: str | Path, target_config: Any = None) -
     return CheckpointReport(path, cfg, tensors)
 
 
-def load_drafter(checkpoint_dir: str | Path, target: Any = None) -> tuple[DFlashDraftModel, DraftVocab]:
+def load_drafter(checkpoint_dir: str | Path, target: Any = None,
+                 config_cls: type[DFlashConfig] = DFlashConfig) -> tuple[DFlashDraftModel, DraftVocab]:
     """Rebuild an exported draft (safetensors only) in eval mode, float32, with the target's embedding and LM head
     attached when ``target`` (a HF causal LM) is given; its draft vocab is the target's whole vocab (identity).
 
     Raises:
         CheckpointError: the directory does not validate.
     """
-    report = validate_checkpoint(checkpoint_dir)
-    config = config_from_json(report.config)
-    model = DFlashDraftModel(config)
+    report = validate_checkpoint(checkpoint_dir, config_cls=config_cls)
+    config = config_cls.from_json(report.config)
+    model = config.build()
     with safe_open(str(Path(checkpoint_dir) / WEIGHTS), framework="pt") as f:
         model.load_state_dict({k: f.get_tensor(k).float() for k in f.keys()})
     if target is not None:

@@ -58,8 +58,7 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 @dataclass
 class DFlashConfig:
-    """The draft's shape, as written to the exported ``config.json`` (:func:`~eagle_assets.drafter.dflash.export.
-    dflash_config_json`).
+    """The draft's shape, as written to the exported ``config.json`` (:meth:`to_json`).
 
     Attributes:
         hidden_size ... rms_norm_eps: copied from the target (the draft's width is the target's).
@@ -105,12 +104,57 @@ class DFlashConfig:
         """The capture ids of the target features (this project's numbering: HF ``hidden_states`` index)."""
         return [k + 1 for k in self.target_layer_ids]
 
+    #: the ``architectures`` name SGLang picks the class by
+    architecture = ARCHITECTURE
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def describe(self) -> str:
         return (f"dflash: {self.num_hidden_layers} layer(s), block {self.block_size}, target layers "
                 f"{self.target_layer_ids}, mask id {self.mask_token_id}")
+
+    def build(self, *args, **kwargs) -> "DFlashDraftModel":
+        """A fresh draft of this shape (arguments as :class:`DFlashDraftModel`'s after the config)."""
+        return DFlashDraftModel(self, *args, **kwargs)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``config.json`` SGLang 0.5.23 reads (``dflash.export`` module docstring)."""
+        dflash = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
+                  "block_size": self.block_size}
+        return {
+            **self.extra,
+            "architectures": [self.architecture], "model_type": "qwen3", "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu", "attention_bias": False,
+            "vocab_size": self.vocab_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_target_layers": self.num_target_layers, "block_size": self.block_size,
+            "layer_types": ["full_attention"] * self.num_hidden_layers, "use_sliding_window": False,
+            "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": self.torch_dtype,
+            "dflash_config": dflash,
+        }
+
+    @classmethod
+    def json_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """The constructor arguments stored in an exported ``config.json`` (``dflash_config`` first, then the top
+        level, as SGLang reads them)."""
+        d = cfg.get("dflash_config") or {}
+        pick = (lambda name: d[name] if name in d else cfg[name])
+        return dict(
+            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
+            head_dim=cfg["head_dim"], rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
+            max_position_embeddings=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"],
+            num_target_layers=cfg["num_target_layers"], target_layer_ids=list(pick("target_layer_ids")),
+            mask_token_id=int(pick("mask_token_id")), num_hidden_layers=cfg["num_hidden_layers"],
+            block_size=int(pick("block_size")), torch_dtype=cfg.get("torch_dtype", "float32"))
+
+    @classmethod
+    def from_json(cls, cfg: dict[str, Any]) -> "DFlashConfig":
+        """The config of an exported ``config.json``."""
+        return cls(**cls.json_fields(cfg))
 
 
 class RMSNorm(nn.Module):

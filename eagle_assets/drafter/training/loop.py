@@ -421,9 +421,15 @@ class _Run:
     def _batch(self, rows: list[PreparedRow], features: Any, index: list[int]) -> TrainBatch:
         """The family's view of ``rows[index]`` (right-padded), with their cached or fetched target features."""
         feats = features.get(index)
+        ids = pad([rows[i].ids for i in index])
+        target_hidden = None
+        if self.family.wants_target_hidden:  # the local cache's rows: (aux, final hidden at teacher positions, ..)
+            target_hidden = torch.zeros(*ids.shape, feats[0][1].shape[-1])
+            for b, (i, f) in enumerate(zip(index, feats)):
+                target_hidden[b, torch.from_numpy(rows[i].teacher)] = f[1].float()
         return TrainBatch(
             aux=torch.nn.utils.rnn.pad_sequence([f[0] for f in feats], batch_first=True),
-            ids=pad([rows[i].ids for i in index]),
+            ids=ids, target_hidden=target_hidden,
             loss_mask=pad([rows[i].mask.astype(np.int64) for i in index]).bool(),
             supervision=self.source.supervision([rows[i].teacher for i in index], feats, self.in_draft,
                                                 self.teacher_w, self.teacher_b),

@@ -1,0 +1,201 @@
+"""The DSpark family (issue 46): DFlash's backbone with a Markov head and a confidence head, SGLang 0.5.23's slot
+layout (slot ``k`` proposes the token at ``anchor + k + 1``, the anchor's row included), SpecForge 0.2.0's objective.
+
+- The objective, checked against a brute-force computation, block by block and slot by slot, that shares no code
+  with the batched one: labels ``ids[a + k + 1]``, teacher-forced previous tokens, the cumulative mask, ``0.1 CE +
+  0.9 L1(softmax(z), softmax(target)) + BCE(confidence, 1 - L1/2)`` over the weight sum.
+- The export: the heads' keys at the top level (SGLang's builders read them there) and in ``dflash_config``
+  (SpecForge's), every tensor SGLang loads, the confidence head included.
+- SGLang's own ``DSparkDraftModel`` (its ``load_weights``, ``compute_base_logits``, ``draft_markov_block`` at
+  temperature 0, ``compute_confidence``), driven on CPU by ``sglang_cpu/dflash_blocks.py``, drafts our blocks with
+  our step logits and confidences within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle_assets.drafter.dflash.model import anchors_of, config_from_target
+from eagle_assets.drafter.dspark.family import FAMILY as DSPARK
+from eagle_assets.drafter.dspark.model import DSparkConfig, DSparkDraftModel, dspark_loss
+from eagle_assets.drafter.family import family_for, family_of_checkpoint
+from eagle_assets_tests.real_sglang import STUB_DIR, sglang_env
+from eagle_assets_tests.test_drafter_dflash import TARGET, H, V, _qc_rows
+
+GAMMA = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    pass
+
+
+def _draft(layers=2, ids=(1, 3), seed=0, confidence=True) -> DSparkDraftModel:
+    from dataclasses import asdict
+
+    torch.manual_seed(seed)
+    base = config_from_target(TARGET, mask_token_id=V - 1, num_hidden_layers=layers, target_layer_ids=list(ids))
+    config = DSparkConfig(**{**asdict(base), "block_size": GAMMA, "markov_rank": 8,
+                             "enable_confidence_head": confidence})
+    model = DSparkDraftModel(config, torch.randn(V, H), torch.randn(V, H))
+    with torch.no_grad():
+        for p in model.parameters():
+            (p.uniform_(0.5, 1.5) if p.dim() == 1 else p.normal_(0, 0.3))
+    return model
+
+
+def _brute_loss(model, aux, ids, mask, target_hidden):
+    total, weight = 0.0, 0.0
+    s = ids.shape[1]
+    for b in range(ids.shape[0]):
+        for a in range(s - 1):
+            if not (mask[b, a] and mask[b, a + 1]):
+                continue
+            hidden = model.blocks(aux[b:b + 1, :a], ids[b:b + 1, :a + 1].clone(), torch.tensor([[a]]),
+                                  torch.tensor([[True]]))[0, 0]
+            prev = ids[b, a]
+            for k in range(GAMMA):
+                j = a + k + 1
+                if j >= s or not mask[b, j]:
+                    break  # cumulative: the first unsupervised label ends the block
+                y = ids[b, j]
+                z = hidden[k] @ model.lm_head_weight.T + model.markov_head.markov_w2(model.markov_head.markov_w1(prev))
+                p_t = torch.softmax(target_hidden[b, j - 1] @ model.lm_head_weight.T, -1)
+                l1 = (torch.softmax(z, -1) - p_t).abs().sum()
+                c = model.confidence_head.proj(torch.cat([hidden[k], model.markov_head.markov_w1(prev)]))[0]
+                bce = F.binary_cross_entropy_with_logits(c, (1 - l1 / 2).clamp(0, 1).detach())
+                total = total + 0.1 * F.cross_entropy(z[None], y[None]) + 0.9 * l1 + bce
+                weight += 1
+                prev = y  # teacher forcing
+    return total / weight
+
+
+def test_the_batched_objective_equals_a_slot_by_slot_computation():
+    model = _draft()
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, V - 1, (2, 13), generator=gen)
+    mask = torch.zeros(2, 13, dtype=torch.long)
+    mask[0, 3:] = 1
+    mask[1, 2:7] = 1
+    mask[1, 8:] = 1  # a hole ends every block that reaches it
+    aux, target_hidden = torch.randn(2, 13, 2 * H, generator=gen), torch.randn(2, 13, H, generator=gen)
+    anchors, keep = anchors_of(mask)
+    loss, per_slot = dspark_loss(model, aux, ids, mask, anchors, keep, target_hidden)
+    assert loss.item() == pytest.approx(_brute_loss(model, aux, ids, mask, target_hidden).item(), rel=1e-5)
+    assert len(per_slot) == GAMMA and per_slot[0][0] > per_slot[-1][0]
+    loss.backward()
+    assert model.confidence_head.proj.weight.grad is not None and model.markov_head.markov_w1.weight.grad is not None
+
+
+def test_the_export_writes_the_heads_where_each_reader_looks(tmp_path):
+    model = _draft()
+    report = DSPARK.export(model, TARGET, None, model.config.aux_capture_ids, tmp_path / "ckpt")
+    cfg = report.config
+    assert cfg["architectures"] == ["DSparkDraftModel"] and cfg["block_size"] == GAMMA
+    for key, value in (("markov_rank", 8), ("markov_head_type", "vanilla"), ("enable_confidence_head", True),
+                       ("confidence_head_with_markov", True), ("sample_from_anchor", True)):
+        assert cfg[key] == value and cfg["dflash_config"][key] == value  # SGLang reads the top, SpecForge the nest
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+            "confidence_head.proj.bias"} <= set(report.tensors)
+    assert family_of_checkpoint(tmp_path / "ckpt") is DSPARK and family_for("dspark") is DSPARK
+    loaded, _ = DSPARK.load(tmp_path / "ckpt")
+    assert isinstance(loaded, DSparkDraftModel) and loaded.config == model.config
+    assert DSPARK.serve_flags(tmp_path / "ckpt", 7)[-2:] == ["--speculative-dspark-block-size", str(GAMMA)]
+
+
+def test_drafts_chain_through_the_markov_head_from_the_anchor():
+    model = _draft(seed=3)
+    gen = torch.Generator().manual_seed(3)
+    ids, aux = torch.randint(0, V - 1, (12,), generator=gen), torch.randn(1, 12, 2 * H, generator=gen)
+    chain = model.draft_chain(aux, ids, GAMMA)
+    p = 5  # by hand: the block anchored at ids[p + 1], each slot biased by the token before it
+    hidden = model.blocks(aux, ids[None], torch.tensor([[p + 1]]), torch.tensor([[True]]))[0, 0]
+    prev, want = ids[p + 1], []
+    for k in range(GAMMA):
+        prev = int(model.step_logits(hidden[k], prev).argmax())
+        want.append(prev)
+        prev = torch.tensor(prev)
+    assert chain[p].tolist() == want and (chain[-1] == -1).all()
+
+
+@pytest.fixture(scope="module")
+def sglang_blocks(sglang_python, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dspark_sglang")
+    cases, ours = [], {}
+    for name, layers, ids in (("one_layer", 1, [2]), ("two_layers", 2, [0, 4])):
+        model = _draft(layers, ids, seed=layers)
+        DSPARK.export(model, TARGET, None, model.config.aux_capture_ids, tmp / name)
+        gen = torch.Generator().manual_seed(layers)
+        row_ids = torch.randint(0, V - 1, (18,), generator=gen)
+        aux = torch.randn(18, len(ids) * H, generator=gen)
+        np.savez(tmp / f"{name}.npz", aux=aux.numpy(), ids=row_ids.numpy(), embed=model.embed_weight.numpy(),
+                 lm_head=model.lm_head_weight.numpy())
+        positions = [0, 4, 9, 15]
+        cases.append({"name": name, "checkpoint": str(tmp / name), "inputs": str(tmp / f"{name}.npz"),
+                      "positions": positions})
+        chain = model.draft_chain(aux[None], row_ids, GAMMA)
+        hidden = model.blocks(aux[None], row_ids[None], torch.tensor([[p + 1 for p in positions]]),
+                              torch.ones(1, len(positions), dtype=torch.bool))[0]
+        prev = torch.cat([row_ids[[p + 1 for p in positions]].unsqueeze(1),
+                          torch.from_numpy(chain[positions, :-1])], 1)
+        with torch.no_grad():
+            ours[name] = {"blocks": [chain[p].tolist() for p in positions],
+                          "logits": model.step_logits(hidden, prev).numpy(),
+                          "confidences": torch.sigmoid(model.confidence_logit(hidden, prev)).numpy()}
+    (tmp / "cases.json").write_text(json.dumps({"cases": cases}))
+    proc = subprocess.run([str(sglang_python), str(STUB_DIR / "dflash_blocks.py"), str(tmp / "cases.json"),
+                           str(tmp / "out.json")], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **sglang_env()})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp / "out.json").read_text()), ours
+
+
+@pytest.mark.parametrize("case", ["one_layer", "two_layers"])
+def test_sglang_loads_every_parameter_of_the_exported_dspark_draft(sglang_blocks, case):
+    got = sglang_blocks[0][case]
+    assert got["untouched"] == [] and got["consumed"] == got["tensors"]
+    assert {"markov_head.markov_w1.weight", "confidence_head.proj.weight"} <= set(got["written"])
+
+
+@pytest.mark.parametrize("case", ["one_layer", "two_layers"])
+def test_sglang_drafts_the_dspark_blocks_our_draft_drafts(sglang_blocks, case):
+    sglang, ours = sglang_blocks[0][case], sglang_blocks[1][case]
+    assert sglang["blocks"] == ours["blocks"]
+    assert np.abs(np.asarray(sglang["logits"]) - ours["logits"]).max() < 1e-4
+    assert np.abs(np.asarray(sglang["confidences"]) - ours["confidences"]).max() < 1e-4
+
+
+def test_the_training_assets_train_and_export_a_dspark_draft(target8, tmp_path):
+    import yaml
+
+    from eagle_assets.definitions import build_definitions
+    from eagle_assets_tests.dagster_runs import materialize_training
+
+    (tmp_path / "source.jsonl").write_text("")
+    training = {"draft_vocab_size": 256, "epochs": 3, "lr": 3.0e-3, "batch_tokens": 256, "max_length": 256,
+                "holdout_fraction": 0.3, "validation_rows": 1, "acceptance_k": 4, "min_tau_margin": 0.0,
+                "tau_warn": 1.0, "threads": 1, "warmup_steps": 1, "save_every_steps": 0, "mix": {"bucket_caps": []},
+                "drafter": {"architecture": "dspark", "block_size": 5}}
+    catalog = {"target": {"model": str(target8)}, "training": training,
+               "partitions": {"P1": {"sources": [{"path": str(tmp_path / "source.jsonl"), "format": "messages"}],
+                                     "sampling": {"max_new_tokens": 32}}}}
+    path = tmp_path / "dsp.yaml"
+    path.write_text(yaml.safe_dump(catalog))
+    _qc_rows(tmp_path / "store" / "dsp" / "qc_shards" / "P1", target8)
+    result, logs = materialize_training(build_definitions(path, storage_root=tmp_path / "store"))
+    assert result.success, "\n".join(logs[-30:])
+    checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    assert checks["export_contract"].passed
+    described = checks["acceptance_length"].metadata["drafter_architecture"].value
+    assert described.startswith("dspark: 1 layer(s), 5 drafts, target layers [4]")
+    ckpt = tmp_path / "store" / "dsp" / "drafter_checkpoint" / "checkpoint"
+    assert family_of_checkpoint(ckpt) is DSPARK
+    metrics = json.loads((ckpt.parent / "training_metrics.json").read_text())
+    assert len(metrics["steps"][0]["step_loss"]) == 5  # one figure per drafted slot, the anchor's row included
