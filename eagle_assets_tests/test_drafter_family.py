@@ -34,9 +34,9 @@ def _one_thread(one_thread):
 def test_every_architecture_the_catalog_names_has_a_family_and_unknown_ones_are_refused():
     eagle3 = family_named("eagle3")
     assert all(family_for(a) is eagle3 for a in ("auto", "llama", "mla"))
-    assert family_for("dflash") is family_named("dflash")
-    with pytest.raises(UnknownFamilyError, match=r"no drafter family trains architecture 'dspark'.*eagle3.*dflash"):
-        family_for("dspark")
+    assert family_for("dflash") is family_named("dflash") and family_for("dspark") is family_named("dspark")
+    with pytest.raises(UnknownFamilyError, match=r"no drafter family trains architecture 'medusa'.*eagle3.*dflash"):
+        family_for("medusa")
     with pytest.raises(UnknownFamilyError, match="registered"):
         family_named("medusa")
 
@@ -48,8 +48,8 @@ def test_a_checkpoint_names_its_family_through_its_config(tmp_path):
     (tmp_path / "mla" / "config.json").write_text(json.dumps({"architectures": ["Eagle3DeepseekV2ForCausalLM"]}))
     assert family_of_checkpoint(tmp_path / "llama").name == family_of_checkpoint(tmp_path / "mla").name == "eagle3"
     (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "config.json").write_text(json.dumps({"architectures": ["DSparkDraftModel"]}))
-    with pytest.raises(UnknownFamilyError, match=r"DSparkDraftModel.*which no drafter family exports"):
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"architectures": ["DFlash2DraftModel"]}))
+    with pytest.raises(UnknownFamilyError, match=r"DFlash2DraftModel.*which no drafter family exports"):
         family_of_checkpoint(tmp_path / "other")
     with pytest.raises(UnknownFamilyError, match="not a readable drafter config"):
         family_of_checkpoint(tmp_path / "missing")
