@@ -199,3 +199,12 @@ def test_the_training_assets_train_and_export_a_dspark_draft(target8, tmp_path):
     assert family_of_checkpoint(ckpt) is DSPARK
     metrics = json.loads((ckpt.parent / "training_metrics.json").read_text())
     assert len(metrics["steps"][0]["step_loss"]) == 5  # one figure per drafted slot, the anchor's row included
+
+
+def test_a_walk_past_the_block_measures_the_blocks_own_drafts():
+    """SGLang verifies at most ``g`` DSpark drafts (``B - 1`` DFlash ones): the chain past them never matches."""
+    model = _draft(seed=4)
+    gen = torch.Generator().manual_seed(4)
+    ids, aux = torch.randint(0, V - 1, (10,), generator=gen), torch.randn(1, 10, 2 * H, generator=gen)
+    chain = model.draft_chain(aux, ids, GAMMA + 2)
+    assert np.array_equal(chain[:, :GAMMA], model.draft_chain(aux, ids, GAMMA)) and (chain[:, GAMMA:] == -1).all()

@@ -316,22 +316,23 @@ class DFlashDraftModel(nn.Module):
     def draft_chain(self, aux: torch.Tensor, ids: torch.Tensor, k: int) -> np.ndarray:
         """int64 ``[T, k]``: after every position ``p`` of a row, the block drafted with anchor ``ids[p + 1]`` (the
         token the target just emitted; context = features of positions ``<= p``): row ``p`` drafts tokens
-        ``p + 2 .. p + k + 1`` (slots 1..k), as SGLang's worker proposes them; the last row (no anchor) is -1.
+        ``p + 2 .. p + k + 1`` (slots 1..k), as SGLang's worker proposes them; the last row (no anchor) is -1, and so
+        are drafts past the block (``k > block_size - 1``: SGLang verifies at most ``B - 1``, so a walk at a larger
+        ``k`` measures the block's own).
 
         Raises:
-            ValueError: ``k`` outside ``[1, block_size - 1]``.
+            ValueError: ``k < 1``.
         """
-        if not 1 <= k <= self.config.block_size - 1:
-            raise ValueError(f"a DFlash block of {self.config.block_size} drafts 1..{self.config.block_size - 1} "
-                             f"tokens per verification, asked for {k}")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
         t = ids.shape[-1]
         out = np.full((t, k), -1, dtype=np.int64)
         anchors_all = torch.arange(1, t)
         for start in range(0, t - 1, ANCHOR_CHUNK):
             anchors = anchors_all[start:start + ANCHOR_CHUNK].unsqueeze(0)
             hidden = self.blocks(aux, ids.view(1, t).long(), anchors, torch.ones_like(anchors, dtype=torch.bool))
-            drafts = self.logits(hidden[0, :, 1:k + 1]).argmax(-1)  # [N, k]
-            out[start:start + anchors.shape[1]] = drafts.numpy()
+            drafts = self.logits(hidden[0, :, 1:k + 1]).argmax(-1)  # [N, min(k, B - 1)]
+            out[start:start + anchors.shape[1], :drafts.shape[1]] = drafts.numpy()
         return out
 
 

@@ -128,14 +128,14 @@ class DSparkDraftModel(DFlashDraftModel):
         """int64 ``[T, k]``: after every position ``p``, the greedy Markov chain of the block anchored at
         ``ids[p + 1]`` (context = features of positions ``<= p``): slot ``j`` proposes the token at ``p + j + 2``,
         its bias from the anchor (``j = 0``) or the previous draft, as SGLang's ``draft_markov_block`` at
-        temperature 0; the last row (no anchor) is -1.
+        temperature 0; the last row (no anchor) is -1, and so are slots past the block (``k > block_size``: SGLang
+        verifies at most ``block_size`` drafts, so a walk at a larger ``k`` measures the block's own).
 
         Raises:
-            ValueError: ``k`` outside ``[1, block_size]``.
+            ValueError: ``k < 1``.
         """
-        g = self.config.block_size
-        if not 1 <= k <= g:
-            raise ValueError(f"a DSpark block drafts 1..{g} tokens per verification, asked for {k}")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
         t = ids.shape[-1]
         out = np.full((t, k), -1, dtype=np.int64)
         ids = ids.view(1, t).long()
@@ -143,7 +143,7 @@ class DSparkDraftModel(DFlashDraftModel):
             anchors = torch.arange(start + 1, min(t, start + 65)).unsqueeze(0)
             hidden = self.blocks(aux, ids, anchors, torch.ones_like(anchors, dtype=torch.bool))[0]  # [N, g, H]
             prev = ids[0, anchors[0]]
-            for j in range(k):
+            for j in range(min(k, self.config.block_size)):
                 prev = self.step_logits(hidden[:, j], prev).argmax(-1)
                 out[start:start + anchors.shape[1], j] = prev.numpy()
         return out
