@@ -208,3 +208,27 @@ def test_a_walk_past_the_block_measures_the_blocks_own_drafts():
     ids, aux = torch.randint(0, V - 1, (10,), generator=gen), torch.randn(1, 10, 2 * H, generator=gen)
     chain = model.draft_chain(aux, ids, GAMMA + 2)
     assert np.array_equal(chain[:, :GAMMA], model.draft_chain(aux, ids, GAMMA)) and (chain[:, GAMMA:] == -1).all()
+
+
+def test_the_sampled_walk_verifies_no_draft_past_the_block(target8):
+    """At a suite's temperature a chain past the block is never fed to the target nor counted (its -1 slots)."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle_assets.drafter.data.vocab import draft_vocab_from_arrays
+    from eagle_assets.drafter.dflash.family import draft_config
+    from eagle_assets.drafter.dspark.family import build_model
+    from eagle_assets.drafter.evaluation.sampled import chain_probabilities
+    from eagle_assets.drafter.family import DraftArchitecture
+
+    target = AutoModelForCausalLM.from_pretrained(str(target8), dtype=torch.float32).eval()
+    cfg = json.loads((target8 / "config.json").read_text())
+    from dataclasses import asdict
+
+    base = draft_config(cfg, 0, [3, 5], None, DraftArchitecture("dspark", mask_token_id=0))
+    model = build_model(DSparkConfig(**{**asdict(base), "block_size": 3}), target.get_input_embeddings().weight,
+                        None, target.get_output_embeddings().weight)
+    v = cfg["vocab_size"]
+    vocab = draft_vocab_from_arrays(np.zeros(v, dtype=np.int64), np.ones(v, dtype=bool))
+    row = (np.arange(5, 25, dtype=np.int64), np.r_[np.zeros(6), np.ones(14)].astype(np.int8))
+    chains = chain_probabilities(target, model, vocab, [row], k=5, temperature=1.0)
+    assert chains.limits.max() == 3 and (chains.probs[:, 3:] == 0).all()

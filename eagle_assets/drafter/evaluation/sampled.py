@@ -56,7 +56,8 @@ class ChainProbabilities:
     Attributes:
         probs: float64 ``[N, K]``; ``probs[i, j]`` = target probability of draft ``j + 1`` at point ``i`` given the
             row prefix and drafts ``1..j`` (0 past the point's ``limits``).
-        limits: int64 ``[N]``; drafts that fit before the segment's end (``min(K, e - 1 - n)``).
+        limits: int64 ``[N]``; drafts that fit before the segment's end and were drafted (``min(K, e - 1 - n)``,
+            and at most a block drafter's block).
         positions: int64 ``[N]``; the point's ``n`` (tokens from the row's start).
         row_of: int64 ``[N]``; index of the row (in the rows given) the point belongs to.
         notes: rows skipped and why.
@@ -135,7 +136,9 @@ def chain_probabilities(target_model: nn.Module, drafter: DraftModel, draft_voca
         ids = torch.from_numpy(ids_np)
         aux, _final = run_target(target_model, ids, capture)
         chain = torch.from_numpy(drafter.draft_chain(aux, ids, k))  # row n-1 drafts tokens n+1 .. n+k
-        points = [(n, min(k, e - 1 - n)) for s, e in segments for n in range(s, e - 1)]
+        # a block drafter proposes at most its block's drafts (the chain is -1 past them): nothing past is verified
+        drafted = (chain >= 0).sum(1)
+        points = [(n, min(k, e - 1 - n, int(drafted[n - 1]))) for s, e in segments for n in range(s, e - 1)]
         for start in range(0, len(points), chunk):
             part = points[start:start + chunk]
             probs.append(_chunk_probs(decoder, target_model, ids, chain, part, k, temperature, top_p, top_k))
