@@ -37,6 +37,10 @@ class SGLangUnavailable(RuntimeError):
     """The SGLang CPU venv could not be built here; the message says why (the tests skip with it)."""
 
 
+# what a complete venv holds (written to its .complete last; a venv of other contents is built again)
+VENV_CONTENTS = {"sglang": "0.5.23", "specforge": "0.2.0"}
+
+
 def ensure_sglang_python() -> Path:
     """The Python of an SGLang 0.5.23 CPU venv: an existing one, or one built now (once per machine, locked).
 
@@ -65,7 +69,7 @@ def ensure_sglang_python() -> Path:
         if proc.returncode != 0:
             tail = log.read_text()[-1500:]
             raise SGLangUnavailable(f"building the SGLang CPU venv failed (exit {proc.returncode}; log {log}):\n{tail}")
-        (DEFAULT_VENV / ".complete").write_text(json.dumps({"sglang": "0.5.23"}) + "\n")
+        (DEFAULT_VENV / ".complete").write_text(json.dumps(VENV_CONTENTS) + "\n")
         return python
 
 

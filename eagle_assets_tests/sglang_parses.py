@@ -40,7 +40,11 @@ def venv_complete(venv: Path) -> bool:
     """Whether the SGLang venv at ``venv`` finished its build (``.complete``, written last) and the base venv whose
     packages it reads (the line ``sglang_cpu/setup_venv.sh`` writes with ``BASE_PYTHON``, as ``real_sglang``
     builds it) is still there."""
-    if not (venv / ".complete").is_file():
+    try:
+        contents = json.loads((venv / ".complete").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(contents, dict) or contents.get("specforge") != "0.2.0":  # built before SpecForge was added
         return False
     return all(Path(pth.read_text().strip()).is_dir()
                for pth in venv.glob("lib/python*/site-packages/eagle_assets_base_venv.pth"))

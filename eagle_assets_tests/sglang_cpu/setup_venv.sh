@@ -88,6 +88,9 @@ zstandard
 REQ
 "${PIP[@]}" -c "$WORK/constraints.txt" -r "$WORK/requirements.txt"
 "${PIP[@]}" --no-deps sglang==0.5.23
+# SpecForge 0.2.0 beside it, for the tests that hold our block-drafter objectives to its modules (its own
+# requirements are SGLang's, already here)
+"${PIP[@]}" --no-deps specforge==0.2.0
 # timm pulls torchvision, whose PyPI wheels are CUDA builds: their C extension does not load with CPU torch, and
 # torchvision's _meta_registrations then fails at import ("operator torchvision::nms does not exist"), which breaks
 # `import transformers.image_utils` inside SGLang. Register those fake kernels only when the extension loaded.
