@@ -2,7 +2,8 @@
 
 Hashes (sha256) every Parquet shard, the draft vocab, the training mix, the drafter's ``model.safetensors`` and
 ``config.json`` under two storage roots (lock files, which hold no data, are left out), and compares the evaluation
-report's figures (``evaluation/report.json`` without its wall-clock ``seconds``). Where a Parquet file's bytes
+report's figures (``evaluation/report.json``'s records, gates, overlap and suites not measured; its wall-clock
+``seconds`` and the keys that describe what the figures stand on are not figures). Where a Parquet file's bytes
 differ, its asset partition is compared again as rows: the partition's shards read together, the columns that
 carry wall-clock time dropped (``VOLATILE``), every row written as canonical JSON and the rows sorted. Two runs of
 the SAME code differ there too, for reasons outside the code:
@@ -34,9 +35,13 @@ from pathlib import Path
 # What the pipeline produces; run metadata (provenance.json, live_stats.json, logs) carries times and paths.
 PATTERNS = ("**/*.parquet", "draft_vocab/**/*.npy", "training_mix/**/*", "drafter_checkpoint/**/model.safetensors",
             "drafter_checkpoint/checkpoint/config.json")
-# The evaluation report: its figures are compared, not its bytes (``seconds`` is how long the measuring took).
+# The evaluation report: its figures are compared, not its bytes (``seconds`` is how long the measuring took):
+# the records, the gates (their levels, taus and text), the overlap counts and the suites not measured. Other keys
+# describe what the figures stand on (``qc``, ``heldout_qc``: QC verdicts, since issue 47) and are listed where
+# one side has them and the other not, without counting as a difference of figures.
 REPORT = "evaluation/report.json"
 REPORT_VOLATILE = frozenset({"seconds"})
+REPORT_FIGURES = ("records", "gates", "overlap_rows", "missing")
 # Columns that hold a measured duration, not data.
 VOLATILE = frozenset({"latency_s"})
 
@@ -92,11 +97,22 @@ def compare(a_root: Path, b_root: Path) -> dict[str, str]:
             out[group] = "DIFFERS"
     reports = [root / REPORT for root in (a_root, b_root)]
     if any(r.exists() for r in reports):
-        figures = [{k: v for k, v in json.loads(r.read_text()).items() if k not in REPORT_VOLATILE}
-                   if r.exists() else None for r in reports]
+        docs = [json.loads(r.read_text()) if r.exists() else None for r in reports]
+        figures = [{k: d.get(k) for k in REPORT_FIGURES} if d is not None else None for d in docs]
         out[REPORT + " (figures)"] = ("first only" if figures[1] is None else "second only" if figures[0] is None
                                        else "equal" if figures[0] == figures[1] else "DIFFERS")
     return out
+
+
+def report_keys_one_side(a_root: Path, b_root: Path) -> dict[str, list[str]]:
+    """The descriptive keys of ``evaluation/report.json`` (not figures, not volatile) that only one root's report
+    has: ``{"first only": [...], "second only": [...]}`` (empty lists when both reports have the same keys or one
+    report is missing)."""
+    docs = [json.loads((root / REPORT).read_text()) if (root / REPORT).exists() else None for root in (a_root, b_root)]
+    if None in docs:
+        return {"first only": [], "second only": []}
+    keys = [set(d) - set(REPORT_FIGURES) - REPORT_VOLATILE for d in docs]
+    return {"first only": sorted(keys[0] - keys[1]), "second only": sorted(keys[1] - keys[0])}
 
 
 def main(argv: list[str]) -> int:
@@ -110,6 +126,9 @@ def main(argv: list[str]) -> int:
         return 1
     for group, verdict in verdicts.items():
         print(f"{verdict:14s} {group}")
+    for side, keys in report_keys_one_side(a_root, b_root).items():
+        if keys:
+            print(f"{'(' + side + ')':14s} {REPORT} keys {', '.join(keys)} (what the figures stand on; not figures)")
     counts = {v: sum(x == v for x in verdicts.values()) for v in dict.fromkeys(verdicts.values())}
     print(", ".join(f"{n} {v}" for v, n in counts.items()))
     return 0 if set(verdicts.values()) <= {"equal", "equal as rows"} else 1

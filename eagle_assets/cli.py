@@ -10,7 +10,9 @@ evaluation report. ``--partitions`` takes dataset keys and chunk keys: a chunked
 its chunks through the rest of ``partition_job``, one run each, then ``dataset_job`` (its checks over all its
 chunks); a chunk key runs that chunk (``dataset_job`` follows once all of the dataset's chunks have QC rows).
 ``run`` executes the Dagster jobs in-process against the persistent instance in ``$DAGSTER_HOME`` (set to the repo
-root, where ``dagster.yaml`` lives, when unset), so every run shows in ``dagster dev`` afterwards.
+root, where ``dagster.yaml`` lives, when unset), so every run shows in ``dagster dev`` afterwards; it prints the
+command that opens that instance in the UI (:func:`ui_command`). Each run's summary (:func:`partition_summary`) is
+read from that run's events only, never from files an earlier run left (docs/guide.md, "Reading the summary").
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
+import shlex
+import shutil
 import sys
 import threading
 import time
@@ -44,6 +49,30 @@ def _ensure_dagster_home(catalog_path: Path) -> Path:
     return home
 
 
+def dagster_executable() -> list[str]:
+    """The ``dagster`` command of the environment running this CLI: the script beside this interpreter (a venv's
+    ``.venv/bin/dagster``, by absolute path, not resolved through the interpreter's symbolic link), else the one on
+    ``PATH``, else ``python -m dagster`` with this interpreter."""
+    beside = Path(sys.executable).parent / "dagster"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return [str(beside.absolute())]
+    found = shutil.which("dagster")
+    return [found] if found else [sys.executable, "-m", "dagster"]
+
+
+def ui_command(home: Path, catalog_path: Path, storage_root: Path) -> str:
+    """The shell command that opens the Dagster UI on this catalog's runs, runnable as printed from any folder:
+    ``cd`` into ``DAGSTER_HOME`` (the folder of the instance's ``dagster.yaml``: run from elsewhere, a
+    ``dagster.yaml`` in the current folder makes ``dagster dev`` warn that it is not used), the variables the code
+    location needs (``DAGSTER_HOME``, ``EAGLE_ASSETS_CATALOG``, ``EAGLE_ASSETS_HOME``: the storage root would
+    otherwise be ``./.eagle_assets`` of that folder), the venv's ``dagster`` by absolute path and ``-w`` the
+    repository's ``workspace.yaml`` by absolute path. Every path is shell-quoted."""
+    q = shlex.quote
+    return (f"cd {q(str(home))} && DAGSTER_HOME={q(str(home))} EAGLE_ASSETS_CATALOG={q(str(catalog_path))} "
+            f"EAGLE_ASSETS_HOME={q(str(storage_root))} {' '.join(q(part) for part in dagster_executable())} dev "
+            f"-w {q(str(REPO_ROOT / 'workspace.yaml'))}")
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from eagle_assets.catalog import default_catalog_path, load_catalog
     from eagle_assets.qc.lengths import format_table, length_report
@@ -61,8 +90,34 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+# A check description holds one or more findings, each opening with its level ("WARN: a; ERROR: b"); text before the
+# first level is context that belongs to the check as a whole (e.g. "the partition is empty: ...").
+_FINDING = re.compile(r"(?:^|;\s+)(WARN|ERROR|OK):\s")
+
+
+def finding_lines(prefix: str, description: str, level: str) -> list[str]:
+    """``description`` as one line per finding, each under its own level: ``{prefix} WARN: ...``,
+    ``{prefix} ERROR: ...``; ``level`` is the level of a description (or of text before its first finding) that
+    names none. OK findings are not listed."""
+    text = " ".join(description.split())
+    marks = list(_FINDING.finditer(text))
+    if not marks:
+        return [f"{prefix} {level}: {text}"] if text else [f"{prefix} {level}"]
+    lines = []
+    head = text[:marks[0].start()].strip().rstrip(";").strip()
+    if head:
+        lines.append(f"{prefix} {level}: {head}")
+    for i, m in enumerate(marks):
+        body = text[m.end():marks[i + 1].start() if i + 1 < len(marks) else len(text)].strip()
+        if m.group(1) != "OK":
+            lines.append(f"{prefix} {m.group(1)}: {body}")
+    return lines
+
+
 def check_summary_lines(result) -> list[str]:
-    """One line per asset check of a job result that failed or passed with a WARN finding: name, level, figures."""
+    """One line per finding of each asset check of a job result that failed or passed with a WARN finding, each
+    under its own level: ``  check <asset>.<check> WARN: <figure> = <value> > threshold <t>``. A check with a WARN
+    and an ERROR finding gives two lines."""
     import dagster as dg
 
     lines = []
@@ -74,16 +129,20 @@ def check_summary_lines(result) -> list[str]:
         if data.passed and "WARN" not in description:
             continue
         level = "WARN" if data.passed or data.severity == dg.AssetCheckSeverity.WARN else "ERROR"
-        lines.append(f"  check {data.asset_key.to_user_string()}.{data.check_name} {level} -- {description}")
+        lines += finding_lines(f"  check {data.asset_key.to_user_string()}.{data.check_name}", description, level)
     return lines
 
 
 def failure_lines(result) -> list[str]:
     """One line per failed step of a job result: the step and its root cause, i.e. a ``dg.Failure``'s description,
     else the message of the innermost exception in the error's cause chain (the exception the asset raised, not
-    Dagster's wrapper around it). Steps skipped because an upstream step failed are not listed."""
-    lines = []
+    Dagster's wrapper around it). The steps the run planned and never started because a step before them failed
+    are listed once, in run order, as not run (Dagster records no event for them: they are the run's steps to
+    execute without a start), so no line below can be read as their result."""
+    lines, started = [], set()
     for event in result.all_events:
+        if event.event_type_value == "STEP_START":
+            started.add(event.step_key)
         if event.event_type_value != "STEP_FAILURE":
             continue
         data = event.step_failure_data
@@ -96,46 +155,172 @@ def failure_lines(result) -> list[str]:
                 error = error.cause
             text = f"{error.cls_name}: {error.message.strip()}" if error.cls_name else error.message.strip()
         lines.append(f"  step {event.step_key} FAILED -- {' '.join(text.split())}")
+    planned = result.dagster_run.step_keys_to_execute
+    if planned is None:  # every step of the job
+        planned = [n.name for n in result.job_def.graph.nodes_in_topological_order]
+    skipped = [k for k in planned if k not in started]
+    if lines and skipped:
+        lines.append(f"  not run: {', '.join(skipped)} (a step before them failed)")
     return lines
 
 
-def reject_lines(layout, key: str) -> list[str]:
-    """What the stages of partition ``key`` set aside: records ``raw_prompts`` rejected, prompts
-    ``tokenized_prompts`` refused and replies ``qc_shards`` dropped, by reason, with the file that names each one
-    (nothing when none)."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
+def _materialized(result, asset: str, key: str) -> dict | None:
+    """The metadata (name -> plain value) of the last materialization of ``asset`` partition ``key`` in the run of
+    ``result``, or None when the run did not materialize it: what this run did, never a file an earlier run left."""
+    found = None
+    for event in result.all_events:
+        if event.event_type_value != "ASSET_MATERIALIZATION" or event.asset_key is None:
+            continue
+        if event.asset_key.to_user_string() == asset and event.partition == key:
+            found = event.step_materialization_data.materialization.metadata
+    return None if found is None else {k: getattr(v, "value", v) for k, v in found.items()}
 
+
+def _check_metadata(result, asset: str, check: str, key: str) -> dict | None:
+    """The metadata (name -> plain value) of check ``asset.check`` on partition ``key`` evaluated in this run."""
+    for event in result.all_events:
+        if event.event_type_value != "ASSET_CHECK_EVALUATION":
+            continue
+        data = event.asset_check_evaluation_data
+        if (data.asset_key.to_user_string(), data.check_name, data.partition) == (asset, check, key):
+            return {k: getattr(v, "value", v) for k, v in data.metadata.items()}
+    return None
+
+
+def _reasons(counts: dict) -> str:
+    """``"reason n, ..."``, most frequent first (ties by name); reasons counted 0 times (QC lists every reason) are
+    left out."""
+    return ", ".join(f"{r} {n}" for r, n in sorted(counts.items(), key=lambda c: (-c[1], c[0])) if n)
+
+
+def _raw_prompts_line(meta: dict, spec, folder: Path, whole_dataset: bool = False) -> str:
+    """What ``raw_prompts`` read and kept, in counts that add up: records read = set aside + usable, and the
+    sample (``limit``) drawn from the usable ones; for a chunk, the dataset's counts and the chunk's share
+    (``whole_dataset``: chunk 0's materialization of a run over all chunks, said of the dataset)."""
+    rows, usable = meta.get("dagster/row_count", 0), meta.get("available_records", 0)
+    rejected, read = meta.get("rejected", 0), meta.get("records_read")
+    limit = meta.get("sample_limit")
+    sampled = min(limit, usable) if limit is not None else usable
+    parts = []
+    if read is not None:
+        parts.append(f"read {read} records")
+    if rejected:
+        parts.append(f"{rejected} set aside ({_reasons(meta.get('reject_reason_counts') or {})}; "
+                     f"see {folder / 'rejects.parquet'})")
+    if sampled < usable:
+        parts.append(f"{sampled} of the {'other ' if rejected else ''}{usable} usable sampled (limit {limit})")
+    else:
+        parts.append(f"{usable} usable, all kept")
+    if spec.chunk is None:
+        return "  raw_prompts: " + "; ".join(parts)
+    if whole_dataset:
+        return f"  raw_prompts: dataset {spec.dataset}, {spec.chunks} chunks: " + "; ".join(parts)
+    where = "" if spec.chunk == 0 else f" (its records set aside are counted in chunk {spec.dataset}.c00)"
+    return (f"  raw_prompts: {rows} rows in this chunk of dataset {spec.dataset}{where}; the dataset: "
+            + "; ".join(parts))
+
+
+def _generations_line(meta: dict) -> tuple[str, bool]:
+    """What ``generations`` sent in this run, and whether it had nothing to send and asked no server."""
+    sent, contacted = meta.get("requests_sent", 0), meta.get("server_contacted", True)
+    done_before, made, failed = meta.get("skipped_done", 0), meta.get("succeeded", 0), meta.get("failed", 0)
+    if not contacted and not sent:
+        return (f"  generations: nothing pending ({done_before} replies already generated by earlier runs); "
+                "server not contacted"), True
+    servers = ", ".join(meta.get("servers") or []) or "the server"
+    turns = f", every assistant turn of {meta['conversations']} conversations" if "conversations" in meta else ""
+    text = f"  generations: {made} replies generated in this run ({sent} requests to {servers}{turns})"
+    if done_before:
+        text += f", {done_before} kept from earlier runs"
+    if failed:
+        text += f", {failed} requests failed (failures.parquet)"
+    return text, False
+
+
+def _qc_counts(result, key: str) -> tuple[int, int, dict] | None:
+    """``(generated, kept, drop reasons)`` of ``qc_shards`` partition ``key`` in this run: from its
+    materialization, else from its ``token_structure`` check's figures (a QC step that failed after checking);
+    None when QC did not run in this run."""
+    meta = _materialized(result, "qc_shards", key)
+    if meta is not None and "generated" in meta and "kept" in meta:
+        return meta["generated"], meta["kept"], meta.get("drop_reason_counts") or {}
+    check = _check_metadata(result, "qc_shards", "token_structure", key)
+    if check is None or "count" not in check:
+        return None
+    n = int(check["count"])
+    reasons = check.get("drop_reasons") or {}
+    return n, n - sum(reasons.values()), reasons
+
+
+def partition_summary(result, layout, spec, key: str, seconds: float) -> tuple[str, list[str]]:
+    """The status line of partition ``key``'s run and the lines under it, from that run's events only (a stage
+    that did not run in this run has no line; nothing is read from files an earlier run left).
+
+    Status: ``FAILED``, ``ok`` or ``ok with N warnings`` (N: the WARN findings listed below), with notes in brackets:
+    ``nothing pending; server not contacted`` when generations sent nothing, ``QC kept K of N replies`` when QC
+    dropped some. Lines: each failed step with its cause, the steps not run, what raw_prompts read and kept,
+    what tokenized_prompts refused, what generations sent, what QC kept and dropped by reason, one line per check
+    finding under its own level."""
     from eagle_assets.storage.shards import safe_name
 
-    lines = []
-    for stage in ("raw_prompts", "tokenized_prompts"):
-        folder = layout.base / stage / safe_name(key)
-        rejects, prompts = folder / "rejects.parquet", folder / "prompts.parquet"
-        if not rejects.exists():
-            continue
-        reasons = pq.read_table(rejects, columns=["reason"]).column("reason")
-        if not len(reasons):
-            continue
-        kept = pq.read_metadata(prompts).num_rows if prompts.exists() else 0
-        lines.append(f"  {stage}: {len(reasons)} of {len(reasons) + kept} rejected ({_by_reason(reasons)}); "
-                     f"see {rejects}")
-    qc_rows = layout.base / "qc_shards" / safe_name(key) / "rows.parquet"
-    if qc_rows.exists():  # replies qc_shards dropped (the token_structure check's figures, as counts)
-        table = pq.read_table(qc_rows, columns=["kept", "drop_reason"])
-        dropped = table.filter(pc.invert(table.column("kept"))).column("drop_reason")
-        if len(dropped):
-            lines.append(f"  qc_shards: {len(dropped)} of {table.num_rows} replies dropped ({_by_reason(dropped)}); "
-                         f"see {qc_rows} (docs/token-structure.md names each reason)")
-    return lines
+    lines: list[str] = []
+    raw = _materialized(result, "raw_prompts", key)
+    if raw is not None:
+        lines.append(_raw_prompts_line(raw, spec, layout.base / "raw_prompts" / safe_name(key)))
+    tok = _materialized(result, "tokenized_prompts", key)
+    if tok is not None:
+        refused = tok.get("rejected", 0)
+        text = f"  tokenized_prompts: {tok.get('dagster/row_count', 0)} prompts rendered"
+        if refused:
+            text += (f"; {refused} refused ({_reasons(tok.get('reject_reason_counts') or {})}; see "
+                     f"{layout.base / 'tokenized_prompts' / safe_name(key) / 'rejects.parquet'})")
+        lines.append(text)
+    notes = []
+    gen = _materialized(result, "generations", key)
+    if gen is not None:
+        text, idle = _generations_line(gen)
+        lines.append(text)
+        if idle:
+            notes.append("nothing pending; server not contacted")
+    qc = _qc_counts(result, key)
+    if qc is not None:
+        generated, kept, reasons = qc
+        if generated - kept:
+            notes.append(f"QC kept {kept} of {generated} replies")
+            lines.append(f"  qc_shards: kept {kept} of {generated} replies, dropped {generated - kept} "
+                         f"({_reasons(reasons)}; see {layout.base / 'qc_shards' / safe_name(key) / 'rows.parquet'}, "
+                         "docs/token-structure.md names each reason)")
+        else:
+            lines.append(f"  qc_shards: kept all {generated} replies")
+    checks = check_summary_lines(result)
+    lines = failure_lines(result) + lines + checks
+    status = "FAILED" if not result.success else _ok(checks)
+    status += f" ({'; '.join(notes)})" if notes else ""
+    return f"partition {key}: {status} in {seconds:.1f} s (run {result.run_id})", lines
 
 
-def _by_reason(reasons) -> str:
-    """``"reason n, ..."`` of a string column, most frequent first (counted by Arrow, not row by row)."""
-    import pyarrow.compute as pc
+def _ok(check_lines: list[str]) -> str:
+    """The status of a run that succeeded: ``ok``, ``ok with N warnings`` for the WARN findings among
+    ``check_lines``, and ``ok with N ERROR findings`` for ERROR findings of checks that block nothing (an evaluation
+    gate), e.g. ``ok with 1 ERROR finding and 2 warnings``."""
+    errors = sum(1 for line in check_lines if " ERROR: " in line)
+    warnings = sum(1 for line in check_lines if " WARN: " in line)
+    parts = ([f"{errors} ERROR finding{'' if errors == 1 else 's'}"] if errors else []) \
+        + ([f"{warnings} warning{'' if warnings == 1 else 's'}"] if warnings else [])
+    return "ok with " + " and ".join(parts) if parts else "ok"
 
-    counts = sorted(pc.value_counts(reasons).to_pylist(), key=lambda c: -c["counts"])
-    return ", ".join(f"{c['values']} {c['counts']}" for c in counts)
+
+def mix_line(result) -> str | None:
+    """The rows each partition gave the training mix (of its training-split rows) in a training run, or None."""
+    for event in result.all_events:
+        if event.event_type_value == "ASSET_MATERIALIZATION" and event.asset_key is not None \
+                and event.asset_key.to_user_string() == "training_mix":
+            meta = event.step_materialization_data.materialization.metadata.get("rows_by_partition")
+            if meta is None:
+                return None
+            parts = [f"{p} {v['mix']} of {v['candidates']}" for p, v in meta.value.items()]
+            return "  training_mix: rows in the mix of each partition's training-split rows: " + ", ".join(parts)
+    return None
 
 
 def acceptance_line(result) -> str | None:
@@ -283,7 +468,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"DAGSTER_HOME={home}; catalog {catalog_path}; storage {settings.storage_root}\n"
           f"Dagster's output (every event of every run): {log_path}\n"
-          f"see the runs in the UI: DAGSTER_HOME={home} EAGLE_ASSETS_CATALOG={catalog_path} dagster dev", flush=True)
+          f"see the runs in the UI (http://127.0.0.1:3000; docs/guide.md#opening-the-ui explains its warnings):\n"
+          f"  {ui_command(home, catalog_path, Path(settings.storage_root))}", flush=True)
     with _dagster_output_to(log_path):
         return _run_jobs(args, defs, instance, catalog, catalog_path, layout, keys)
 
@@ -296,6 +482,7 @@ def _run_jobs(args: argparse.Namespace, defs, instance, catalog, catalog_path: P
     from eagle_assets.definitions import DATASET_JOB, PARTITION_JOB, TRAINING_JOB
 
     failed = []
+    refreshed = False  # whether a run of this command wrote the length report (else the file is an earlier run's)
     t_all = time.monotonic()
     with _partition_definitions(defs, catalog_path, catalog, prelaunch=_first_run(layout, keys)) as partition_defs:
         job = partition_defs.resolve_job_def(PARTITION_JOB)
@@ -309,10 +496,14 @@ def _run_jobs(args: argparse.Namespace, defs, instance, catalog, catalog_path: P
                 continue
             t0 = time.monotonic()
             result = run_raw_prompts_over_chunks(job, instance, catalog, chunks)
-            status = "ok" if result.success else "FAILED (each chunk's run tries it again and reports why)"
+            checks = check_summary_lines(result)  # e.g. prompts_available naming an empty chunk
+            status = _ok(checks) if result.success else "FAILED (each chunk's run tries it again and reports why)"
             print(f"dataset {dataset}: raw_prompts of its {len(chunks)} chunks in one run: {status} in "
                   f"{time.monotonic() - t0:.1f} s (run {result.run_id})", flush=True)
-            for line in check_summary_lines(result):  # e.g. prompts_available naming an empty chunk
+            first = _materialized(result, "raw_prompts", chunks[0])  # chunk 0 records the dataset's counts
+            head = [] if first is None else [_raw_prompts_line(
+                first, catalog.partition(chunks[0]), layout.base / "raw_prompts" / chunks[0], whole_dataset=True)]
+            for line in failure_lines(result) + head + checks:
                 print(line, flush=True)
             if result.success:
                 prepared.update(chunks)
@@ -322,10 +513,10 @@ def _run_jobs(args: argparse.Namespace, defs, instance, catalog, catalog_path: P
                 partition_key=key, instance=instance, raise_on_error=False,
                 asset_selection=without_raw if key in prepared else None,
             )
-            status = "ok" if result.success else "FAILED"
-            print(f"partition {key}: {status} in {time.monotonic() - t0:.1f} s (run {result.run_id})", flush=True)
-            for line in failure_lines(result) + check_summary_lines(result) + reject_lines(layout, key):
+            status, lines = partition_summary(result, layout, catalog.partition(key), key, time.monotonic() - t0)
+            for line in [status, *lines]:
                 print(line, flush=True)
+            refreshed |= bool(result.asset_materializations_for_node("length_report"))
             if not result.success:
                 failed.append(key)
     waiting = chunks_without_qc(catalog, layout, keys)
@@ -340,16 +531,19 @@ def _run_jobs(args: argparse.Namespace, defs, instance, catalog, catalog_path: P
         t0 = time.monotonic()
         result = defs.resolve_job_def(DATASET_JOB).execute_in_process(
             partition_key=dataset, instance=instance, raise_on_error=False)
-        status = "ok" if result.success else "FAILED"
+        checks = check_summary_lines(result)
+        status = _ok(checks) if result.success else "FAILED"
         print(f"dataset {dataset} ({catalog.partitions[dataset].chunks} chunks): dataset_job {status} in "
               f"{time.monotonic() - t0:.1f} s (run {result.run_id})", flush=True)
-        for line in failure_lines(result) + check_summary_lines(result):
+        for line in failure_lines(result) + checks:
             print(line, flush=True)
         if not result.success:
             failed.append(dataset)
     report = layout.base / "length_report" / "report.md"
-    if report.exists():
+    if report.exists() and refreshed:
         print(f"\nlength report: {report}\n{report.read_text()}")
+    elif report.exists():  # no run of this command reached it: its table is an earlier run's, not this one's
+        print(f"\nlength report: not refreshed (no partition of this command reached it); the last one is {report}")
     passed = [k for k in keys if k not in failed]
     if not args.skip_training and keys and not passed:
         print(f"training: not attempted: no partition passed ({len(failed)} failed; their reasons are above)",
@@ -361,13 +555,15 @@ def _run_jobs(args: argparse.Namespace, defs, instance, catalog, catalog_path: P
         # for whoever reads this summary, though the run itself succeeded
         useless = any(e.check_name == "acceptance_length" and not e.passed
                       and e.severity == dg.AssetCheckSeverity.ERROR for e in result.get_asset_check_evaluations())
-        status = "ok" if result.success and not useless else \
+        warned = check_summary_lines(result)
+        # a check that blocks nothing can still find an ERROR (an evaluation gate): "ok" alone would hide it
+        status = _ok(warned) if result.success and not useless else \
             "FAILED (the drafter barely drafts: acceptance_length ERROR)" if result.success else "FAILED"
         print(f"training: {status} in {time.monotonic() - t0:.1f} s (run {result.run_id})", flush=True)
         tau = acceptance_line(result)
-        warned = check_summary_lines(result)
-        for line in failure_lines(result) + ([tau] if tau and not any("acceptance_length" in w for w in warned)
-                                             else []) + warned:
+        mixed = mix_line(result)
+        for line in failure_lines(result) + ([mixed] if mixed else []) \
+                + ([tau] if tau and not any("acceptance_length" in w for w in warned) else []) + warned:
             print(line, flush=True)
         ckpt = layout.base / "drafter_checkpoint" / "checkpoint"
         if useless:
@@ -385,7 +581,16 @@ def _run_jobs(args: argparse.Namespace, defs, instance, catalog, catalog_path: P
                   f"{target_path} {' '.join(flags)}")
             report = layout.base / "evaluation" / "report.md"
             if catalog.evaluation is not None and report.exists():
-                print(f"\nevaluation (docs/evaluation.md): {report.parent}\n{report.read_text()}", flush=True)
+                import json
+
+                from eagle_assets.drafter.evaluation.suites import stands_on_lines
+
+                # what the figures stand on first: a suite whose QC failed is measured on the few replies QC kept
+                doc = json.loads((report.parent / "report.json").read_text())
+                print(f"\nevaluation (docs/evaluation.md): {report.parent}", flush=True)
+                for line in stands_on_lines(doc):
+                    print(f"  {line}", flush=True)
+                print(report.read_text(), flush=True)
         else:
             failed.append("training")
     print(f"total {time.monotonic() - t_all:.1f} s")

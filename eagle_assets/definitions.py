@@ -50,7 +50,7 @@ from eagle_assets.storage.shards import default_storage_root
 PARTITION_JOB = "partition_job"
 TRAINING_JOB = "training_job"
 DATASET_JOB = "dataset_job"  # only in Definitions of a catalog with a chunked dataset
-EVALUATION_JOB = "evaluation_job"  # only in Definitions of a catalog with an evaluation section
+EVALUATION_JOB = "evaluation_job"  # in every catalog's Definitions but one with evaluation: null or served features
 PARTITION_ASSETS = ["raw_prompts", "tokenized_prompts", "generations", "qc_shards", "length_report"]
 TRAINING_ASSETS = ["draft_vocab", "training_mix", "drafter_checkpoint"]
 EVALUATION_ASSETS = ["evaluation"]
@@ -112,7 +112,7 @@ def build_definitions(
                                            *(EVALUATION_ASSETS if evaluated else [])),
         executor_def=executor_def,
         description="Draft vocab, training mix and EAGLE-3 drafter checkpoint from every partition whose QC passed"
-                    + (", then its evaluation on the catalog's suites." if evaluated else "."),
+                    + (", then its evaluation (held-out rows and the catalog's suites)." if evaluated else "."),
     )
     jobs = [partition_job, training_job]
     if evaluated:
@@ -120,8 +120,8 @@ def build_definitions(
             EVALUATION_JOB,
             selection=dg.AssetSelection.assets(*EVALUATION_ASSETS),
             executor_def=executor_def,
-            description="The trained drafter measured on the evaluation suites (run their eval-<suite> partitions "
-                        "with partition_job first).",
+            description="The trained drafter measured on its held-out rows and the evaluation suites (run their "
+                        "eval-<suite> partitions with partition_job first).",
         ))
     if catalog.chunked_datasets:
         jobs.append(dg.define_asset_job(

@@ -191,12 +191,21 @@ def test_the_readme_walkthrough_catalog_loads_and_asks_nothing_of_the_reader(tmp
     block = readme[readme.index("## Bring your own data"):].split("```yaml\n", 1)[1].split("```", 1)[0]
     source = tmp_path / "my_chat.jsonl"
     source.write_text('{"messages": [{"role": "user", "content": "Hi"}]}\n')
+    suite = tmp_path / "my_eval.jsonl"
+    suite.write_text('{"turns": "What is 2 + 2?"}\n')
     path = tmp_path / "mine.yaml"
     path.write_text("\n".join(l[3:] if l.startswith("   ") else l for l in block.splitlines())
-                    .replace("/data/my_chat.jsonl", str(source)))
+                    .replace("/data/my_chat.jsonl", str(source)).replace("/data/my_eval.jsonl", str(suite)))
     catalog = load_catalog(path)
-    assert catalog.partition_keys == ["my_chat"] and catalog.target.model == "demo"
+    assert catalog.partition_keys == ["my_chat", "eval-my_eval"] and catalog.target.model == "demo"
+    assert catalog.training_partition_keys == ["my_chat"]
+    # one suite, answered with thinking on and with thinking off
+    assert list(catalog.evaluation.suites) == ["my_eval"]
+    assert catalog.evaluation.suites["my_eval"].modes == ("on", "off")
+    for key in catalog.partition_keys:
+        assert catalog.partition(key).resolved_sources()  # every source path the reader replaces exists
     assert catalog.training.aux_layer_ids == [1, 2, 3] and catalog.warnings() == []
+    assert catalog.evaluation is not None and catalog.evaluation.heldout  # the held-out table, suites or not
     assert yaml.safe_load(path.read_text())["partitions"]["my_chat"]["sources"][0]["format"] == "auto"
 
 
@@ -266,6 +275,30 @@ def test_a_suite_is_a_partition_never_trained_on(tmp_path):
         cat.partition("eval-other")
 
 
+def test_every_catalog_gets_an_evaluation_unless_it_says_null_or_serves_its_features(tmp_path):
+    """No ``evaluation`` section: the defaults (held-out rows at k = 1..8, no suites), so the evaluation asset and
+    ``evaluation_job`` exist; ``evaluation: null`` has none, and neither has a catalog whose features are served
+    (the asset runs the target in its own process) unless it asks for one."""
+    import dagster as dg
+
+    from eagle_assets.definitions import EVALUATION_JOB, TRAINING_JOB, build_definitions
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "p1.jsonl").write_text('{"question": "2+2?"}\n')
+    plain = load_catalog(_write(tmp_path, MINIMAL))
+    assert plain.evaluation.heldout and plain.evaluation.suites == {} and plain.suite_keys == []
+    assert plain.evaluation.ks(plain.training.acceptance_k) == list(range(1, 9))
+    defs = build_definitions(tmp_path / "cat.yaml", storage_root=tmp_path / "store")
+    evaluation = dg.AssetKey("evaluation")
+    assert evaluation in defs.resolve_job_def(TRAINING_JOB).asset_layer.selected_asset_keys
+    assert defs.resolve_job_def(EVALUATION_JOB).asset_layer.selected_asset_keys == {evaluation}
+    assert load_catalog(_write(tmp_path, MINIMAL + "evaluation: null\n", "off.yaml")).evaluation is None
+    served = MINIMAL + "training: {features: served}\n"
+    assert load_catalog(_write(tmp_path, served, "served.yaml")).evaluation is None
+    asked = served + "evaluation: {k: [7]}\n"
+    assert load_catalog(_write(tmp_path, asked, "asked.yaml")).evaluation.k == [7]
+
+
 def test_a_legacy_unseen_eval_becomes_a_suite_and_says_so(tmp_path):
     """``training.unseen_eval`` (the old side path) loads as the evaluation suite ``unseen``: a partition of its
     own, greedy, its thinking from ``enable_thinking``; a note names what it became. A suite that already reads its
@@ -288,7 +321,8 @@ def test_a_legacy_unseen_eval_becomes_a_suite_and_says_so(tmp_path):
     assert list(cat.evaluation.suites) == ["words"]
     assert [w for w in cat.warnings() if "measured by the evaluation suite words" in w and "dropped" in w]
     quiet = load_catalog(_write(tmp_path, MINIMAL + "training: {unseen_eval: null}\n", "null.yaml"))
-    assert quiet.evaluation is None and not [w for w in quiet.warnings() if "unseen_eval" in w]
+    assert not (quiet.evaluation and quiet.evaluation.suites)
+    assert not [w for w in quiet.warnings() if "unseen_eval" in w]
 
     taken = legacy + ("evaluation:\n  suites:\n    unseen: {sources: [{path: q.jsonl, format: mtbench}]}\n")
     with pytest.raises(CatalogError, match=r"training.unseen_eval.*already has one"):

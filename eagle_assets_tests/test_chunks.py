@@ -281,6 +281,18 @@ def test_the_cli_runs_a_chunked_datasets_raw_prompts_in_one_run_and_each_chunk_f
     assert rc == 0, printed[-3000:]
     assert "dataset D: raw_prompts of its 3 chunks in one run: ok" in printed
     assert "dataset D (3 chunks): dataset_job ok" in printed
+    # the one raw_prompts run says what the dataset read, in counts that add up; each chunk's run, which did not
+    # run raw_prompts, prints no raw_prompts line of its own
+    raw = runs["root"] / "store" / "cli" / "raw_prompts"
+    usable = sum(pq.read_metadata(raw / key / "prompts.parquet").num_rows for key in chunk_keys("D", 3))
+    set_aside = pq.read_table(raw / "D.c00" / "rejects.parquet").column("reason").to_pylist()
+    lines = printed.splitlines()
+    [line] = [line for line in lines if line.startswith("  raw_prompts: dataset D, 3 chunks: ")]
+    assert line.startswith(f"  raw_prompts: dataset D, 3 chunks: read {usable + len(set_aside)} records; ")
+    assert line.endswith(f"; {usable} usable, all kept"), line
+    assert (f"; {len(set_aside)} set aside (" in line) == bool(set_aside), line
+    chunk_blocks = printed.split("partition D.c00: ", 1)[1]
+    assert "  raw_prompts:" not in chunk_blocks
     with dg.DagsterInstance.from_config(str(home)) as instance:
         raw_steps = {}
         for run in instance.get_runs(dg.RunsFilter(job_name="partition_job")):
@@ -315,6 +327,14 @@ def test_dataset_checks_over_the_chunks_equal_the_unchunked_checks(runs):
         a, b = whole[("qc_shards", name)], dataset[("dataset_qc", name)]
         assert (a.passed, a.description) == (b.passed, b.description)
         assert _figures(a) == _figures(b) and _figures(a)["count"] == len(whole_rows)
+        assert a.metadata["qc_verdict"].value == b.metadata["qc_verdict"].value
+    # one verdict for the dataset, the same words whether it ran whole or in chunks
+    from eagle_assets.qc.status import dataset_verdict, partition_verdict
+    from eagle_assets.storage.shards import Layout
+
+    chunked = dataset_verdict(Layout(store, "chunked"), "D")
+    assert chunked.text() == partition_verdict(Layout(store, "whole"), "D").text()
+    assert chunked.rows == len(whole_rows) and chunked.verdict in ("passed", "warned")
     # the length report of the chunked catalog has one line per span for the dataset, as the unchunked one
     whole_report = pq.read_table(store / "whole" / "length_report" / "report.parquet").to_pylist()
     chunk_report = pq.read_table(store / "chunked" / "length_report" / "report.parquet").to_pylist()

@@ -43,6 +43,11 @@ def _catalog(tmp: Path, server_url: str) -> Path:
     words = base["evaluation"]["suites"]["word_problems"]
     words.update({"sources": [{"path": str(DATA / "U1_word_problems.jsonl"), "format": "gsm8k"}], "limit": 12,
                   "sampling": SAMPLING, "tau_warn": 1.3, "min_tau_margin": 0.2})
+    # QC fails this suite whatever the replies (every reply is under short_tokens, the error level is 0): its
+    # figures stand on a failed QC, which the report, the gates and the CLI must say (thresholds never change
+    # which replies QC keeps, so the figures below are the same as under the catalog's levels)
+    words["thresholds"] = {**words["thresholds"], "short_tokens": 100000, "max_share_short_warn": 0.0,
+                           "max_share_short_error": 0.0}
     # B5's source again: a suite's limit picks its own records (keyed by its name), so some of them are B5's
     # training rows
     seen = {"description": "B5's source again", "sources": [parts["B5_openthoughts"]["sources"][0]], "limit": 16,
@@ -65,7 +70,8 @@ def evaluated(demo_target, tmp_path_factory, one_thread):
         defs = build_definitions(_catalog(tmp, server.url), storage_root=tmp / "store")
         job = defs.resolve_job_def(PARTITION_JOB)
         for key in ("B4_mixturethoughts", "B5_openthoughts", "eval-words", "eval-seen"):
-            assert job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False).success, key
+            run = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False)
+            assert run.success == (key != "eval-words"), key  # the words suite's blocking check fails (above)
     trained, logs = materialize_training(defs)
     assert trained.success, logs[-20:]
     result, logs = materialize_training(defs, ("evaluation",))
@@ -215,7 +221,7 @@ def test_thinking_off_is_flagged_while_thinking_on_passes(evaluated):
     assert tau_off <= 1.2 < 1.3 <= tau_on  # error at or under 1 + min_tau_margin, warn under tau_warn
     # the same figures in the UI's table and on disk beside the plot
     md = (store / "evaluation" / "report.md").read_text()
-    assert "| words | off | 0 |" in md and "| words | on | 1 |" in md
+    assert "| words (QC failed) | off | 0 |" in md and "| words (QC failed) | on | 1 |" in md
     assert (store / "evaluation" / "tau_vs_k.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -251,3 +257,41 @@ def test_heldout_greedy_tau_is_the_acceptance_length_figure(evaluated):
     assert sum(b["verifications"] for b in r["position_buckets"]) == r["verifications"]
     assert [b["from"] for b in r["position_buckets"]] == [0, 128, 256]
     assert not any(b["past_training_length"] for b in r["position_buckets"])
+
+
+def test_a_suite_whose_qc_failed_is_marked_in_the_report_the_gates_and_the_cli(evaluated):
+    """The words suite's QC failed (response_length ERROR): report.json says so with its kept / dropped replies as
+    qc_status.json has them, report.md marks its rows and tables the verdicts, its gates' text and checks name it,
+    and the lines the CLI prints above the report say it; the seen suite passed and carries no mark."""
+    from eagle_assets.drafter.evaluation.suites import stands_on_lines
+
+    _defs, _trained, result, store = evaluated
+    status = json.loads((store / "qc_shards" / "eval-words" / "qc_status.json").read_text())
+    assert status["verdict"] == "failed" and status["response_length"] == "ERROR"
+    report = json.loads((store / "evaluation" / "report.json").read_text())
+    words, seen = report["qc"]["words"], report["qc"]["seen"]
+    assert (words["verdict"], words["blocking_check"], words["kept"], words["rows"]) == \
+        ("failed", "response_length", status["kept"], status["rows"])
+    assert words["dropped"] == status["rows"] - status["kept"] and words["kept"] > 0
+    assert words["finding"] == "response_length: share_under_short = 1 > threshold 0"
+    assert seen["verdict"] in ("passed", "warned") and seen["partition"] == "eval-seen"
+    stands = (f"suite QC failed (response_length: share_under_short = 1 > threshold 0); kept {words['kept']} of "
+              f"{words['rows']} replies, {words['dropped']} dropped")
+    gates = {(g["suite"], g["thinking"]): g for g in report["gates"]}
+    assert all(gates[("words", m)]["text"].endswith(stands) for m in ("on", "off"))
+    assert "suite QC" not in gates[("seen", "default")]["text"]
+    checks = _checks(result)
+    assert checks["tau_words_off"].description.endswith(stands)
+    assert checks["tau_words_on"].metadata["suite_qc"].value.startswith("failed (response_length")
+    md = (store / "evaluation" / "report.md").read_text()
+    assert (f"| words | eval-words | failed | {words['kept']} | {words['dropped']} | response_length: "
+            "share_under_short = 1 > threshold 0 |") in md
+    assert "| seen (QC" not in md and "| seen | default |" in md
+    assert {k: v["verdict"] for k, v in report["heldout_qc"].items()} == \
+        {"B4_mixturethoughts": "passed", "B5_openthoughts": "passed"}
+    lines = stands_on_lines(report)  # suites by name, as report.json keeps them
+    assert lines[1] == (f"suite words: QC failed (response_length: share_under_short = 1 > threshold 0); kept "
+                        f"{words['kept']} of {words['rows']} replies, {words['dropped']} dropped; its figures are "
+                        "on the replies QC kept")
+    assert lines[0].startswith(f"suite seen: QC {seen['verdict']}")
+    assert lines[2] == "held-out rows from: B4_mixturethoughts QC passed, B5_openthoughts QC passed"

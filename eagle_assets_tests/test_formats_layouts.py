@@ -221,7 +221,7 @@ def test_auto_format_on_empty_and_all_malformed_files(tmp_path):
         pass
     assert _load(gz) == []
     # records meant for a layout but all malformed: that layout's own reasons, one per record
-    malformed = _jsonl(tmp_path / "m.jsonl", [{"conversations": "not a list"},
+    malformed = _jsonl(tmp_path / "m.jsonl", [{"conversations": 7},  # (a string would be one prompt)
                                               {"conversations": [{"from": "narrator", "value": "x"}]}, "{broken"])
     assert [r.reason for r in _load(malformed)] == ["bad_field_type", "unknown_role", "bad_json"]
     only_bad_json = _jsonl(tmp_path / "b.jsonl", ["{broken", "also broken"])

@@ -115,7 +115,7 @@ def test_sharegpt_llamafactory_tools_and_openthoughts(tmp_path):
         ],
     }
     malformed = [
-        {"conversations": "not a list"},
+        {"conversations": {"from": "human", "value": "not a list"}},  # (a string is one prompt: string_turns tests)
         {"conversations": [{"from": "narrator", "value": "Once upon a time"}]},
         {"conversations": [{"from": "human", "value": "   "}, {"from": "gpt", "value": "ok"}]},
         {"conversations": [{"from": "gpt", "value": "only an answer"}]},

@@ -110,7 +110,8 @@ def test_an_empty_file_flows_through_the_partition_job_as_zero_rows(tmp_path):
 
 def test_a_file_of_malformed_records_is_rejected_record_by_record(tmp_path):
     src = tmp_path / "bad.jsonl"
-    src.write_text('{"conversations": "not a list"}\n{"conversations": [{"from": "narrator", "value": "x"}]}\n{oops\n')
+    # (a conversations string is one prompt: test_formats_string_turns.py; a number is not a conversation)
+    src.write_text('{"conversations": 7}\n{"conversations": [{"from": "narrator", "value": "x"}]}\n{oops\n')
     result = _materialize(_catalog(tmp_path, {"B": [{"path": str(src), "format": "auto"}]}), tmp_path,
                           ["raw_prompts"], "B")
     assert result.success

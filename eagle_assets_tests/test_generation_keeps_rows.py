@@ -162,7 +162,11 @@ def test_the_cli_summary_names_the_url_and_error_and_does_not_train(switched):
     assert "Cannot connect to host 127.0.0.1:9" in reason
     assert "training: not attempted: no partition passed" in cli
     # the records raw_prompts set aside, by reason, with the file naming each (B1's source plants 3 bad records)
-    assert any(l.startswith("  raw_prompts: 3 of ") and "rejected (" in l and "rejects.parquet" in l for l in lines)
+    assert any(l.startswith("  raw_prompts: read ") and "; 3 set aside (" in l and "rejects.parquet" in l
+               for l in lines), cli
+    # QC did not run in this run: no QC line (the shards of the earlier runs are still on disk), and it says so
+    assert not any(l.startswith("  qc_shards:") for l in lines), cli
+    assert "  not run: qc_shards, length_report (a step before them failed)" in lines, cli
     assert "length report" not in cli.split("partition B1_glaive")[1] or "FAILED" in cli
     log = [l for l in lines if l.startswith("Dagster's output (every event of every run): ")]
     assert len(log) == 1 and "DEBUG" not in cli

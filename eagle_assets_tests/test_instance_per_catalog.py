@@ -78,28 +78,3 @@ def test_a_missing_source_file_is_refused_before_anything_runs(tmp_path, monkeyp
     out = capsys.readouterr().out
     assert "partitions.B1_glaive.sources[0].path: file " in out and "no_such_file.jsonl does not exist" in out
     assert not (tmp_path / "store" / "gone" / "raw_prompts").exists()  # no run started
-
-
-def test_the_summary_counts_what_each_stage_set_aside_by_reason(tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from eagle_assets.cli import reject_lines
-    from eagle_assets.storage.shards import Layout
-
-    layout = Layout(tmp_path, "c")
-    for stage, reasons, kept in (("raw_prompts", ["bad_json", "bad_json", "no_user_turn"], 7),
-                                 ("tokenized_prompts", ["prompt_too_long"] * 5, 2)):
-        folder = layout.base / stage / "P"
-        folder.mkdir(parents=True)
-        pq.write_table(pa.table({"reason": reasons}), folder / "rejects.parquet")
-        pq.write_table(pa.table({"sample_id": [str(i) for i in range(kept)]}), folder / "prompts.parquet")
-    qc = layout.base / "qc_shards" / "P"
-    qc.mkdir(parents=True)
-    pq.write_table(pa.table({"kept": [True, False, False], "drop_reason": [None, "missing_think_end",
-                                                                         "missing_think_end"]}), qc / "rows.parquet")
-    lines = reject_lines(layout, "P")
-    assert lines[0].startswith("  raw_prompts: 3 of 10 rejected (bad_json 2, no_user_turn 1); see ")
-    assert lines[1].startswith("  tokenized_prompts: 5 of 7 rejected (prompt_too_long 5); see ")
-    assert lines[2].startswith("  qc_shards: 2 of 3 replies dropped (missing_think_end 2); see ")
-    assert reject_lines(layout, "nothing_here") == []

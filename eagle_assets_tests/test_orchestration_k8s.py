@@ -255,7 +255,8 @@ def test_training_run_and_steps_and_a_fleet_catalog(cluster):
     assert server_gpus(load_catalog(catalog)) == 0
     repo = _recon_repo(tmp, catalog)
     _run_job, steps = _launch(api, instance, repo, "training_job", None)
-    assert set(steps) == {"global_inputs", "draft_vocab", "training_mix", "drafter_checkpoint"}
+    # every catalog has the evaluation asset (its held-out table; catalog.load.with_default_evaluation)
+    assert set(steps) == {"global_inputs", "draft_vocab", "training_mix", "drafter_checkpoint", "evaluation"}
     for job in steps.values():
         _check_common(job)
     train = steps["drafter_checkpoint"]

@@ -350,6 +350,9 @@ def test_ui_in_chromium_shows_graph_and_partition_checks_and_launches_a_backfill
             body = page.locator("body")
             expect(body).to_contain_text("WARN: share_under_short = 1 > threshold 0")
             expect(body).to_contain_text(re.compile(r"Evaluation result.*Failed.*Partition\s*B2_code", re.DOTALL))
+            # and the partition's verdict in words (qc.status: it warned, it trains)
+            expect(body).to_contain_text(re.compile(r"warned \(response_length: share_under_short = 1 > threshold "
+                                                    r"0\); kept \d of 4 replies, \d dropped"))
             page.wait_for_timeout(1000)
             page.screenshot(path=str(shots / "check_warn.png"))
 

@@ -105,12 +105,25 @@ def test_truncated_partition_fails_blocking_check_and_stops_downstream(pipeline)
     from eagle_assets.cli import check_summary_lines
 
     lines = check_summary_lines(result)  # what `eagle-assets run` prints under the partition's status line
-    assert any(l.startswith("  check qc_shards.response_length ERROR -- ") and "ERROR: share_truncated = 1 > "
-               "threshold 0.1" in l for l in lines), lines
-    assert any(l.startswith("  check qc_shards.token_structure ERROR -- ERROR: share_dropped = 1")
-               for l in lines), lines
+    # one finding per line, each under its own level (never "ERROR -- WARN: ...; ERROR: ...")
+    assert "  check qc_shards.response_length ERROR: share_truncated = 1 > threshold 0.1" in lines, lines
+    assert any(l.startswith("  check qc_shards.token_structure ERROR: share_dropped = 1") for l in lines), lines
+    assert all(l.count("WARN:") + l.count("ERROR:") == 1 for l in lines), lines
     status = json.loads((store / "qc_shards" / "B1_cut" / "qc_status.json").read_text())
-    assert status["passed"] is False
+    assert status["passed"] is False and status["verdict"] == "failed"
+    # one verdict, the same words wherever it is read: qc_status.json, the materialization, each check's metadata
+    from eagle_assets.qc.status import partition_verdict
+
+    verdict = partition_verdict(defs.resources["settings"].layout(), "B1_cut")
+    assert (verdict.verdict, verdict.blocking_check, verdict.rows, verdict.kept) == ("failed", "token_structure", 12, 0)
+    assert verdict.text() == ("failed (token_structure: share_dropped = 1 > threshold 0.2; response_length: "
+                              "share_truncated = 1 > threshold 0.1); kept 0 of 12 replies, 12 dropped")
+    meta = result.asset_materializations_for_node("qc_shards")[0].metadata
+    assert list(meta)[:2] == ["qc_verdict", "qc_verdicts_as_of_this_run"] and meta["qc_verdict"].value == verdict.text()
+    table = {r.data["partition"]: r.data for r in meta["qc_verdicts_as_of_this_run"].value.records}
+    assert table["B1_cut"]["verdict"] == "failed" and table["B1_cut"]["blocking_check"] == "token_structure"
+    assert table["B1_glaive"]["verdict"] == "passed" and table["B1_glaive"]["kept"] == 12
+    assert length.metadata["qc_verdict"].value == structure.metadata["qc_verdict"].value == verdict.text()
 
 
 def test_training_uses_passing_partitions_and_exports_valid_checkpoint(pipeline):
@@ -131,6 +144,12 @@ def test_training_uses_passing_partitions_and_exports_valid_checkpoint(pipeline)
         stale
     line = acceptance_line(result)  # what the CLI prints when training passes
     assert line is not None and "mean held-out tau" in line
+    from eagle_assets.cli import mix_line
+
+    mix = result.asset_materializations_for_node("training_mix")[0].metadata["rows_by_partition"].value
+    assert set(mix) == {"B1_glaive"} and 0 < mix["B1_glaive"]["mix"] <= mix["B1_glaive"]["candidates"]
+    assert mix_line(result) == ("  training_mix: rows in the mix of each partition's training-split rows: "
+                                f"B1_glaive {mix['B1_glaive']['mix']} of {mix['B1_glaive']['candidates']}")
     vocab_meta = result.asset_materializations_for_node("draft_vocab")[0].metadata
     assert "B1_cut" in vocab_meta["excluded_partitions"].value
     mix_meta = result.asset_materializations_for_node("training_mix")[0].metadata
@@ -145,6 +164,15 @@ def test_training_uses_passing_partitions_and_exports_valid_checkpoint(pipeline)
     assert np.mean(losses[-3:]) < np.mean(losses[:3])
     acceptance = _check(result, "acceptance_length").metadata
     assert acceptance["tau_B1_glaive"].value >= 1.0
+    # a catalog without an evaluation section gets the evaluation asset all the same: the held-out table, no suites
+    assert "evaluation" in starts
+    report = json.loads((store / "evaluation" / "report.json").read_text())
+    assert {(r["suite"], r["k"]) for r in report["records"]} == {("heldout", k) for k in range(1, 9)}
+    held = [r for r in report["records"] if r["k"] == 7][0]
+    assert held["tau"] == pytest.approx(acceptance["mean_tau"].value, abs=1e-6)
+    assert report["gates"] == [] and report["qc"] == {}
+    assert {k: v["verdict"] for k, v in report["heldout_qc"].items()} == {"B1_glaive": "passed"}
+    assert "held-out rows from: B1_glaive QC passed" in (store / "evaluation" / "report.md").read_text()
     # prompts never trained on are measured by the evaluation suites only (test_evaluation_suites.py)
     assert "unseen_tau" not in acceptance and not (store / "drafter_checkpoint" / "unseen_eval").exists()
 

@@ -139,3 +139,49 @@ def test_qc_holds_rows_of_any_producer_to_every_rule(tmp_path, r1_dir):
                  if e.event_type_value == "ASSET_CHECK_EVALUATION"
                  and e.asset_check_evaluation_data.check_name == "token_structure")
     assert check.metadata["drop_reasons"].value == expected and not check.passed
+    # the partition's verdict: failed by token_structure (8 of 11 checked replies dropped), the same words in
+    # qc_status.json, the materialization (its first entries) and each check's metadata
+    from eagle_assets.qc.status import partition_verdict
+
+    verdict = partition_verdict(layout, KEY)
+    assert verdict.text() == ("failed (token_structure: share_dropped = 0.7273 > threshold 0.2); kept 3 of 11 replies, "
+                              "8 dropped")
+    assert json.loads((layout.stage_dir("qc_shards", KEY) / "qc_status.json").read_text())["verdict"] == "failed"
+    assert list(meta)[:2] == ["qc_verdict", "qc_verdicts_as_of_this_run"] and meta["qc_verdict"].value == verdict.text()
+    (row,) = [r.data for r in meta["qc_verdicts_as_of_this_run"].value.records]
+    assert row == {"partition": KEY, "verdict": "failed", "blocking_check": "token_structure",
+                   "finding": "token_structure: share_dropped = 0.7273 > threshold 0.2", "kept": 3, "dropped": 8,
+                   "rows": 11}
+    assert check.metadata["qc_verdict"].value == verdict.text()
+
+
+def test_one_verdict_per_partition_from_its_qc_status():
+    """``qc.status.qc_verdict``: passed at level OK, warned on a WARN finding (it trains), failed on an ERROR or
+    when no reply is kept; the reason names the blocking check and only the findings of the verdict's own level;
+    a qc_status.json from before findings were recorded still gives the word, and says how to get the figures."""
+    from eagle_assets.qc.status import qc_verdict
+
+    warn = {"check": "response_length", "level": "WARN", "figure": "share_under_short", "value": 1.0,
+            "threshold": 0.9, "comparison": ">"}
+    error = {"check": "token_structure", "level": "ERROR", "figure": "share_dropped", "value": 35 / 39,
+             "threshold": 0.2, "comparison": ">"}
+    ok = qc_verdict({"partition": "a", "token_structure": "OK", "response_length": "OK", "rows": 5, "kept": 5,
+                     "findings": []})
+    assert (ok.verdict, ok.blocking_check, ok.text()) == ("passed", None, "passed; kept 5 of 5 replies, 0 dropped")
+    warned = qc_verdict({"partition": "b", "token_structure": "OK", "response_length": "WARN", "rows": 48,
+                         "kept": 48, "findings": [warn]})
+    assert warned.text() == ("warned (response_length: share_under_short = 1 > threshold 0.9); kept 48 of 48 "
+                             "replies, 0 dropped") and warned.blocking_check is None
+    failed = qc_verdict({"partition": "c", "token_structure": "ERROR", "response_length": "WARN", "rows": 39,
+                         "kept": 4, "findings": [warn, error]})
+    assert failed.text() == ("failed (token_structure: share_dropped = 0.8974 > threshold 0.2); kept 4 of 39 "
+                             "replies, 35 dropped")
+    assert failed.to_dict()["dropped"] == 35 and failed.to_dict()["blocking_check"] == "token_structure"
+    # open thresholds let every check pass, but nothing was kept: nothing to train on
+    empty = qc_verdict({"partition": "d", "token_structure": "OK", "response_length": "OK", "rows": 4, "kept": 0,
+                        "findings": []})
+    assert empty.text() == "failed (no reply kept (0 of 4): nothing to train on or measure); kept 0 of 4 replies, " \
+        "4 dropped"
+    old = qc_verdict({"partition": "e", "token_structure": "OK", "response_length": "WARN", "rows": 9, "kept": 9})
+    assert old.verdict == "warned" and old.stale
+    assert old.finding() == "response_length WARN (materialize qc_shards again for the figures)"

@@ -30,7 +30,7 @@ def evaluation(context: dg.AssetExecutionContext, settings: dg.ResourceParam[Pip
     if t.features.source == "served":
         raise dg.Failure(description="the evaluation runs the target in this process, and training.features: served "
                                      "says it does not fit here: evaluate with features: local on a host that holds "
-                                     "the target, or leave the evaluation section out")
+                                     "the target, or set evaluation: null")
     checkpoint = layout.base / "drafter_checkpoint" / "checkpoint"
     if not (checkpoint / "config.json").exists():
         raise dg.Failure(description=f"no drafter checkpoint in {checkpoint}: materialize drafter_checkpoint "
@@ -53,6 +53,10 @@ def evaluation(context: dg.AssetExecutionContext, settings: dg.ResourceParam[Pip
         "records": len(report.records),
         "overlap_rows": dg.MetadataValue.json(report.overlap_rows),
         "suites_not_measured": dg.MetadataValue.json(report.missing),
+        # what the figures stand on: each suite's QC verdict (passed / warned / failed, kept / dropped replies)
+        "suite_qc": dg.MetadataValue.json(report.qc_json()),
+        "heldout_qc": dg.MetadataValue.json({k: v.verdict if v is not None else None
+                                             for k, v in report.heldout_qc.items()}),
         "drafter_architecture": drafter.config.describe(),
         "trained_partitions": dg.MetadataValue.json(keys),
         "seconds": round(report.seconds, 1),
@@ -65,12 +69,14 @@ def evaluation(context: dg.AssetExecutionContext, settings: dg.ResourceParam[Pip
             description=g.text + (f"; {report.overlap_rows[g.suite]} rows share prompt ids with training rows"
                                   if report.overlap_rows.get(g.suite) else ""),
             metadata={"tau": round(g.tau, 4), "k": g.k, "rows": g.rows, "tau_error_at_or_under": g.error_at,
-                      "tau_warn_under": g.warn_under, "overlap_rows": report.overlap_rows.get(g.suite, 0)})
+                      "tau_warn_under": g.warn_under, "overlap_rows": report.overlap_rows.get(g.suite, 0),
+                      "suite_qc": (report.qc[g.suite].text() if report.qc.get(g.suite) is not None
+                                   else "not run")})
 
 
 def build_evaluation_assets(catalog: Catalog) -> list:
-    """The ``evaluation`` asset with one check per suite x thinking mode of ``catalog.evaluation`` (nothing when
-    the catalog has no evaluation section)."""
+    """The ``evaluation`` asset with one check per suite x thinking mode of ``catalog.evaluation`` (every catalog
+    has one: ``catalog.load.with_default_evaluation``; nothing when it is null)."""
     if catalog.evaluation is None:
         return []
     checks = [dg.AssetCheckSpec(gate_check_name(name, mode), asset="evaluation",

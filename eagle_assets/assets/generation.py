@@ -217,6 +217,10 @@ def generations(context: dg.AssetExecutionContext, config: GenerationRunConfig,
             **done.metadata,
             "max_new_tokens": run.spec.sampling.max_new_tokens,
             "servers": dg.MetadataValue.json(run.urls),
+            # what this step did, for `eagle-assets run`'s summary: requests sent in this run, and whether any server
+            # was asked at all (a partition with nothing pending asks none, so a dead URL goes unnoticed until then)
+            "requests_sent": done.requested,
+            "server_contacted": bool(run.urls),
             "path": dg.MetadataValue.path(str(out)),
             **live,
         })

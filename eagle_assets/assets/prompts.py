@@ -123,6 +123,11 @@ def _write_raw_partition(context: dg.AssetExecutionContext, settings: PipelineSe
             "dagster/row_count": rows,
             "available_records": available,
             "rejected": rejected,
+            # what `eagle-assets run` prints, counts that add up: records read = usable + rejected (a chunk other
+            # than c00 records no rejects, so it does not know the records read), the sample cut by `limit`
+            **({"records_read": available + rejected} if chunk is None or spec.chunk == 0 else {}),
+            **({"sample_limit": spec.limit} if spec.limit is not None else {}),
+            "reject_reason_counts": dg.MetadataValue.json(dict(reasons.most_common())),
             "empty": not rows,
             "reject_reasons": _reason_table(reasons),
             "sources": dg.MetadataValue.json([str(p) for p, _ in sources]),
@@ -211,6 +216,7 @@ def build_prompt_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.Asse
                 "dagster/row_count": result.rows,
                 "rejected": result.rejected,
                 "reject_reasons": _reason_table(result.reasons),
+                "reject_reason_counts": dg.MetadataValue.json(dict(result.reasons.most_common())),
                 "prompt_tokens_median": result.median_tokens,
                 "prompt_tokens_max": result.max_tokens,
                 "share_opens_think": result.opens_think / result.rows if result.rows else 0.0,

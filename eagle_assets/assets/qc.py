@@ -21,8 +21,9 @@ from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.catalog import Thresholds
 from eagle_assets.lineage.versions import directory_content_version
 from eagle_assets.qc.stage import dataset_qc_stage, length_report_stage, qc_partition_stage
-from eagle_assets.qc.status import QC_STATUS_FILE
+from eagle_assets.qc.status import QC_STATUS_FILE, QcVerdict, checks_verdict, verdict_table
 from eagle_assets.qc.thresholds import Outcome, reason_levels
+from eagle_assets.storage.shards import Layout
 from eagle_assets.structure.segment import DROP_REASONS
 
 # How long length_report waits for another run's length_report to finish writing (it takes seconds) before failing
@@ -71,9 +72,33 @@ def _check_metadata(outcome: Outcome, thresholds: Thresholds, extra: dict | None
     return meta
 
 
+def verdict_metadata(verdict: QcVerdict, layout: Layout, keys: list[str]) -> dict:
+    """The QC verdict as the UI shows it on a materialization: ``qc_verdict`` (this partition's verdict, its
+    blocking check and finding, kept / dropped) and ``qc_verdicts_as_of_this_run`` (a table of every partition of
+    ``keys``, one verdict each, read from their ``qc_status.json`` when this partition's QC finished: ``not run``
+    for one without QC yet; a later run of another partition shows in that run's table, not in this one's).
+
+    Why a table: Dagster 1.13 draws a static partition whose data is on disk as "Materialized" whatever its checks
+    say, and a check's partition list as Passed / Failed only (a WARN looks like an ERROR there), so the one place a
+    user sees passed / warned / failed side by side for every partition is this table: the asset's Overview shows
+    the latest materialization's, so the newest run's view of all partitions, and each partition's detail panel
+    its own. Why not a failed materialization where a check fails: its files are on disk and are the partition's
+    data; Dagster would keep showing an earlier materialization's metadata, and a partition never materialized
+    counts as missing, which holds back the automation that trains on the partitions that passed
+    (``assets.automation``)."""
+    rows = verdict_table(layout, keys)
+    names = ("partition", "verdict", "blocking_check", "finding", "kept", "dropped", "rows")
+    kinds = {"kept": "int", "dropped": "int", "rows": "int"}
+    schema = dg.TableSchema(columns=[dg.TableColumn(n, kinds.get(n, "string")) for n in names])
+    table = dg.MetadataValue.table(records=[dg.TableRecord({n: r[n] for n in names}) for r in rows], schema=schema)
+    return {"qc_verdict": dg.MetadataValue.text(verdict.text()), "qc_verdicts_as_of_this_run": table}
+
+
 def qc_shards(context: dg.AssetExecutionContext, settings: dg.ResourceParam[PipelineSettings],
               target: dg.ResourceParam[TargetModel]):
-    """Training rows input_ids = prompt_ids + output_ids with loss_mask; broken rows dropped with a named reason."""
+    """Training rows input_ids = prompt_ids + output_ids with loss_mask; broken rows dropped with a named reason.
+    Each materialization starts with its partition's QC verdict (passed / warned / failed, with the blocking check
+    and its finding) and a table of every partition's verdict as of that run."""
     from eagle_assets.figures.plots import png_markdown
 
     key = context.partition_key
@@ -82,10 +107,13 @@ def qc_shards(context: dg.AssetExecutionContext, settings: dg.ResourceParam[Pipe
     with stage_writer(settings.layout(), "qc_shards", key):  # one writer: the whole write and its data version
         r = qc_partition_stage(settings.layout(), catalog, key, setup)
         version = directory_content_version(r.out, ("*.parquet", QC_STATUS_FILE))
+    verdict = checks_verdict(key, r.token_structure, r.response_length, r.summary.rows, r.summary.kept)
+    shown = verdict_metadata(verdict, settings.layout(), list(catalog.partition_keys))
     histogram = dg.MetadataValue.md(png_markdown(r.png, f"{key} lengths"))
     yield dg.MaterializeResult(
         data_version=dg.DataVersion(version),
         metadata={
+            **shown,
             "dagster/row_count": r.summary.kept,
             "generated": r.summary.rows,
             "kept": r.summary.kept,
@@ -104,10 +132,13 @@ def qc_shards(context: dg.AssetExecutionContext, settings: dg.ResourceParam[Pipe
             "path": dg.MetadataValue.path(str(r.out)),
             **({"qc_by_turn": dg.MetadataValue.json(r.by_turn)} if r.by_turn is not None else {}),
         })
+    # each check names the partition's verdict too: a check that passed on a partition its other check failed
+    # would otherwise read as "this partition is fine"
+    partition = {"qc_verdict": shown["qc_verdict"]}
     yield _check_result("token_structure", r.token_structure, metadata=_check_metadata(
-        r.token_structure, r.thresholds, {"drop_reasons": dg.MetadataValue.json(r.reasons)}))
+        r.token_structure, r.thresholds, {"drop_reasons": dg.MetadataValue.json(r.reasons), **partition}))
     yield _check_result("response_length", r.response_length, metadata=_check_metadata(
-        r.response_length, r.thresholds, {"histogram": histogram}))
+        r.response_length, r.thresholds, {"histogram": histogram, **partition}))
 
 
 def length_report(context: dg.AssetExecutionContext,
@@ -149,9 +180,12 @@ def dataset_qc(context: dg.AssetExecutionContext, settings: dg.ResourceParam[Pip
                                      "(partition_job on each) before dataset_qc", allow_retries=False)
     checks, thresholds = r.checks, spec.thresholds
     reasons = dg.MetadataValue.json({reason: checks.reasons.get(reason, 0) for reason in DROP_REASONS})
+    verdict = checks_verdict(dataset, checks.token_structure, checks.response_length, checks.rows, checks.kept)
+    partition = {"qc_verdict": dg.MetadataValue.text(verdict.text())}
     yield dg.MaterializeResult(
         data_version=dg.DataVersion(version),
         metadata={
+            **partition,
             "dagster/row_count": checks.kept,
             "generated": checks.rows,
             "kept": checks.kept,
@@ -164,9 +198,9 @@ def dataset_qc(context: dg.AssetExecutionContext, settings: dg.ResourceParam[Pip
             "path": dg.MetadataValue.path(str(r.out)),
         })
     yield _check_result("token_structure", checks.token_structure, metadata=_check_metadata(
-        checks.token_structure, thresholds, {"drop_reasons": reasons}))
+        checks.token_structure, thresholds, {"drop_reasons": reasons, **partition}))
     yield _check_result("response_length", checks.response_length,
-                        metadata=_check_metadata(checks.response_length, thresholds))
+                        metadata=_check_metadata(checks.response_length, thresholds, partition))
 
 
 def build_qc_assets(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetsDefinition]:

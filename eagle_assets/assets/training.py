@@ -85,6 +85,10 @@ def training_mix(context: dg.AssetExecutionContext,
         "plot": dg.MetadataValue.md(png_markdown(r.png, "training mix before / after")),
         "notes": dg.MetadataValue.json(mix.notes),
         "excluded_partitions": dg.MetadataValue.json(excluded),
+        # per partition: its training-split rows (the candidates) and how many of them the mix took, for the CLI
+        "rows_by_partition": dg.MetadataValue.json({
+            p: {"candidates": sum(b["rows"] for b in mix.before.get(p, {}).values()),
+                "mix": sum(b["rows"] for b in mix.after.get(p, {}).values())} for p in sorted(mix.before)}),
         "path": dg.MetadataValue.path(str(r.out)),
     })
 

@@ -15,7 +15,9 @@ Shape (see catalogs/default.yaml)::
                features: local | served | {source, url, teacher, top_k, cache, ...}}
     evaluation: {k: [1..8], heldout, position_buckets, bootstrap, suites: {<name>: {description, sources, thinking:
                on | off | both | default, sampling, limit, max_turns, thresholds, tau_warn, min_tau_margin}}}
-    (a legacy ``training.unseen_eval`` becomes the suite ``unseen``: ``load.unseen_eval_as_suite``)
+    (left out: the defaults, held-out rows and no suites, unless features are served; ``null``: none
+    (``load.with_default_evaluation``). A legacy ``training.unseen_eval`` becomes the suite ``unseen``:
+    ``load.unseen_eval_as_suite``)
 
 Each entry under ``partitions`` is a *dataset*. A dataset is one Dagster partition, or, with ``chunks: N`` (N > 1),
 N partitions ``<dataset>.c00`` .. ``<dataset>.c{N-1}`` (:func:`chunk_keys`), each a run of its own over the rows a

@@ -40,6 +40,8 @@ class Catalog(StrictModel):
     server: ServerSpec = Field(default_factory=ServerSpec)
     partitions: dict[str, PartitionSpec] = Field(min_length=1)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
+    # None only for an explicit ``evaluation: null`` or a catalog with served features: load_catalog gives every
+    # other catalog the default section (with_default_evaluation)
     evaluation: EvaluationSpec | None = None
 
     _path: Path | None = PrivateAttr(default=None)
@@ -297,6 +299,7 @@ def load_catalog(path: str | Path) -> Catalog:
                            "see catalogs/default.yaml")
     raw = _expand_env(raw, "", file)
     raw, note = unseen_eval_as_suite(raw, file)
+    raw = with_default_evaluation(raw)
     try:
         catalog = Catalog.model_validate(raw)
     except ValidationError as e:
@@ -342,6 +345,21 @@ def cleartext_key_urls(urls: list[str], api_key_env: str | None) -> list[str]:
         if parts.scheme.lower() == "http" and not local:
             out.append(url)
     return out
+
+
+def with_default_evaluation(raw: dict) -> dict:
+    """``raw`` (a catalog as read) with ``evaluation: {}`` (held-out rows at k = 1..8, no suites:
+    ``EvaluationSpec``'s defaults) when it has no ``evaluation`` key, so every catalog gets the ``evaluation``
+    asset and its held-out table. Left as it is: an explicit ``evaluation: null`` (no evaluation asset), and a
+    catalog whose ``training.features`` is ``served`` (the asset runs the target in its own process, which such a
+    catalog says does not fit; its ``acceptance_length`` check measures the held-out rows through the server)."""
+    if "evaluation" in raw:
+        return raw
+    training = raw.get("training") if isinstance(raw.get("training"), dict) else {}
+    features = training.get("features")
+    if features == "served" or (isinstance(features, dict) and features.get("source") == "served"):
+        return raw
+    return {**raw, "evaluation": {}}
 
 
 #: the suite a legacy ``training.unseen_eval`` becomes

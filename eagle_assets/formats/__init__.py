@@ -117,16 +117,36 @@ def _claims(mod: ModuleType, record: Any) -> bool:
     return isinstance(record, dict) and any(k in record for k in mod.SIGNATURE_KEYS)
 
 
+def _reads(mod: ModuleType, record: Any) -> bool:
+    """Whether layout ``mod`` turns ``record`` into a kept conversation (its parser and the shared checks)."""
+    try:
+        check_conversation(mod.parse(record, 0))
+    except Exception:  # noqa: BLE001 - RecordError or anything else: this layout does not read the record
+        return False
+    return True
+
+
 def _detect(records: list[Any]) -> str | None:
     """The layout matching most records (first maximum wins: FORMATS is ordered by specificity); when no record
     matches any layout fully, the layout whose signature keys most records carry (a file of malformed records of
-    one layout); None when neither finds anything."""
+    one layout); None when neither finds anything.
+
+    A layout so chosen that would reject every one of ``records`` while another layout reads some of them is not
+    kept: the layout that reads most of them is chosen instead (a file must never give zero prompts because of the
+    pick alone). When no layout reads any record, the pick stands, so the rejects name the intended layout's
+    reasons."""
+    best = None
     for test in (lambda mod, r: _safe(mod.matches, r), _claims):
         scores = {name: sum(1 for r in records if test(mod, r)) for name, mod in FORMATS.items()}
-        best = max(scores, key=lambda n: scores[n])
-        if scores[best]:
-            return best
-    return None
+        top = max(scores, key=lambda n: scores[n])
+        if scores[top]:
+            best = top
+            break
+    if best is None or any(_reads(FORMATS[best], r) for r in records):
+        return best
+    reads = {name: sum(1 for r in records if _reads(mod, r)) for name, mod in FORMATS.items()}
+    top = max(reads, key=lambda n: reads[n])
+    return top if reads[top] else best
 
 
 def _undetected_detail(records: list[Any]) -> str:

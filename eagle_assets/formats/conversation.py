@@ -426,6 +426,59 @@ def require(record: Any, key: str, kind: type | tuple[type, ...], layout: str) -
     return value
 
 
+# A reply inside a text that stands where a layout expects a list of turns: a line that opens with an assistant
+# speaker (``ASSISTANT:``, ``gpt:``, markdown ``### Assistant:``) or a chat template's turn marker. Such a text is a
+# whole transcript, and reading it as one user prompt would put the reply into the prompt the target answers.
+_TRANSCRIPT_MARK = re.compile(
+    r"(?im)^[ \t#*>]*(?:assistant|gpt|bot|chatbot|model)[ \t]*:|<\|im_start\|>|<\|start_header_id\|>|<\|assistant\|>"
+    r"|\[/INST\]")
+
+
+def single_prompt_text(value: Any, field: str, layout: str) -> str:
+    """``value``, a layout's turns field (``turns``, ``messages``, ``conversations``...) that holds one prompt as a
+    string instead of a list of turns (public eval files do this: MT-bench-like ``{"turns": "..."}``), checked to be
+    read as one user prompt.
+
+    Raises:
+        RecordError: ``bad_field_type`` when ``value`` is not a string, or when reading it as one prompt would be a
+            guess: a string holding JSON (a list or object: encoded turns, to decode in the file) or a whole
+            transcript (a line opening with an assistant speaker or a chat template's turn marker); the detail
+            names the field and the fix. ``empty_prompt`` for a blank string.
+    """
+    if not isinstance(value, str):
+        raise RecordError(BAD_FIELD_TYPE, f"{layout} field {field!r} is a {type(value).__name__}, expected a list of "
+                                          "turns or one prompt string")
+    text = value.strip()
+    if not text:
+        raise RecordError(EMPTY_PROMPT, f"{layout} field {field!r} is an empty string")
+    if text[0] in "[{":
+        try:
+            decoded = json.loads(text)
+        except (ValueError, RecursionError):
+            decoded = None
+        if isinstance(decoded, (list, dict)):
+            kind = "list" if isinstance(decoded, list) else "object"
+            raise RecordError(BAD_FIELD_TYPE, f"{layout} field {field!r} is a string holding JSON (a {kind}), not a "
+                                              f"list of turns: decode it in the file (jq -c '.{field} |= fromjson' "
+                                              "in.jsonl > out.jsonl), then read it again")
+    mark = _TRANSCRIPT_MARK.search(value)
+    if mark is not None:
+        raise RecordError(BAD_FIELD_TYPE, f"{layout} field {field!r} is one string holding a whole conversation "
+                                          f"(it has {mark.group(0).strip()!r} at a line start), not a list of turns: "
+                                          "split it into a list of turns in the file (USER: / ASSISTANT: text can "
+                                          "instead go in a field 'chat', read by format glaive)")
+    return value
+
+
+def is_single_prompt(value: Any) -> bool:
+    """Whether :func:`single_prompt_text` reads ``value`` as one user prompt (for a layout's ``matches``)."""
+    try:
+        single_prompt_text(value, "", "")
+    except RecordError:
+        return False
+    return True
+
+
 def reference_text(value: Any) -> str | None:
     """A dataset's reference answer as text, or None when it has none usable; never raises.
 

@@ -10,6 +10,10 @@ Covers:
   assistant turn with several calls come in one ``tool`` message whose text is a JSON array
   ``[{"tool_call_id", "name", "content"}, ...]``, one entry per call in call order; they are split into one ``tool``
   message per call (content and name of its entry), the layout every other source and the chat templates use.
+
+A record whose messages field holds one prompt as a string (``{"messages": "..."}``, some eval files) is read as
+one user message when that is unambiguous (``conversation.single_prompt_text``), else refused naming the field and
+the fix.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from eagle_assets.formats.conversation import (
     canonical_role,
     content_text,
     finalize,
+    is_single_prompt,
     make_message,
     normalize_tools,
+    single_prompt_text,
 )
 
 NAME = "messages"
@@ -44,9 +50,11 @@ def _messages(record: Any) -> tuple[str | None, Any]:
 
 
 def matches(record: Any) -> bool:
-    """True when the record holds a list of ``{"role": ...}`` dicts under messages/conversations."""
+    """True when the record holds a list of ``{"role": ...}`` dicts under messages/conversations, or one prompt
+    string there that is read as one user message."""
     _, msgs = _messages(record)
-    return isinstance(msgs, list) and bool(msgs) and isinstance(msgs[0], dict) and "role" in msgs[0]
+    return (isinstance(msgs, list) and bool(msgs) and isinstance(msgs[0], dict) and "role" in msgs[0]) \
+        or is_single_prompt(msgs)
 
 
 def parse(record: Any, row: int) -> Conversation:
@@ -56,6 +64,8 @@ def parse(record: Any, row: int) -> Conversation:
     key, msgs = _messages(record)
     if key is None or msgs is None:
         raise RecordError(MISSING_FIELD, f"messages record has no 'messages' field (keys: {sorted(record)[:12]})")
+    if isinstance(msgs, str):  # one prompt as a string: one user message, or refused as a guess (the detail says why)
+        msgs = [{"role": "user", "content": single_prompt_text(msgs, key, "messages")}]
     if not isinstance(msgs, list):
         raise RecordError(BAD_FIELD_TYPE, f"field {key!r} is a {type(msgs).__name__}, expected a list of messages")
     tools = normalize_tools(record.get("tools"))

@@ -7,6 +7,9 @@ coding questions carry ``reference``), the later turns are interleaved with them
 ``user t0, assistant ref0, user t1, ...``. Without references the later turns are the conversation's
 ``later_turns``: prompt policy ``all_turns`` asks them after the model's own answers; the other policies ignore
 them.
+
+Some eval files in this shape hold one prompt as a string (``{"turns": "..."}``): it is read as one user turn when
+that is unambiguous (``conversation.single_prompt_text``), else the record is refused naming the field and the fix.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from eagle_assets.formats.conversation import (
     Conversation,
     RecordError,
     finalize,
+    is_single_prompt,
     make_message,
     reference_text,
     require,
+    single_prompt_text,
 )
 
 NAME = "mtbench"
@@ -29,14 +34,19 @@ SIGNATURE_KEYS = ("turns",)
 
 
 def matches(record: Any) -> bool:
-    """True when the record has a ``turns`` list of strings."""
-    return (isinstance(record, dict) and isinstance(record.get("turns"), list)
-            and all(isinstance(t, str) for t in record["turns"]))
+    """True when the record has a ``turns`` list of strings, or one prompt string read as one turn."""
+    if not isinstance(record, dict):
+        return False
+    turns = record.get("turns")
+    return (isinstance(turns, list) and all(isinstance(t, str) for t in turns)) or is_single_prompt(turns)
 
 
 def parse(record: Any, row: int) -> Conversation:
     """One MT-Bench question -> Conversation; raises RecordError (see conversation.REJECT_REASONS)."""
-    turns = require(record, "turns", list, "mtbench")
+    turns = require(record, "turns", (list, str), "mtbench")
+    if isinstance(turns, str):  # one prompt as a string: one user turn, or refused as a guess (the detail says why)
+        return finalize([{"role": "user", "content": single_prompt_text(turns, "turns", "mtbench")}], None, row,
+                        record)
     if not turns:
         raise RecordError("empty_prompt", "mtbench field 'turns' is an empty list")
     for i, t in enumerate(turns):

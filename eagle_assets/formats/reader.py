@@ -220,8 +220,8 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
                 yield row, record
                 row += 1
     except (pa.ArrowException, OSError) as e:
-        yield row, BadLine(f"the Parquet file cannot be read past row {row} ({type(e).__name__}: {e}); every later "
-                           "row is missing: re-download the file", TRUNCATED_FILE)
+        yield row, BadLine(f"the Parquet file cannot be read after its first {row} rows ({type(e).__name__}: {e}); "
+                           "every later row is missing: re-download the file", TRUNCATED_FILE)
 
 
 def _more_lines(path: Path) -> bool:

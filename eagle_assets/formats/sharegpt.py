@@ -9,7 +9,9 @@ Covers the layouts seen in practice:
 - NuminaMath CoT ShareGPT exports (``{"id", "conversations": [human, gpt]}``).
 
 A ``function_call`` turn becomes an assistant message with ``tool_calls`` (merged into the preceding assistant
-message when there is one); an ``observation`` turn becomes a ``tool`` message.
+message when there is one); an ``observation`` turn becomes a ``tool`` message. A ``conversations`` field that holds
+one prompt as a string is read as one human turn when that is unambiguous (``conversation.single_prompt_text``),
+else the record is refused naming the field and the fix.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from eagle_assets.formats.conversation import (
     canonical_role,
     content_text,
     finalize,
+    is_single_prompt,
     make_message,
     normalize_tool_calls,
     normalize_tools,
+    single_prompt_text,
 )
 
 NAME = "sharegpt"
@@ -41,10 +45,11 @@ def _turns(record: Any) -> Any:
 
 
 def matches(record: Any) -> bool:
-    """True when the record looks like ShareGPT: a conversations list whose first turn has ``from``/``value``."""
+    """True when the record looks like ShareGPT: a conversations list whose first turn has ``from``/``value``, or
+    one prompt string there that is read as one human turn."""
     _, turns = _turns(record)
     return (isinstance(turns, list) and bool(turns) and isinstance(turns[0], dict) and "from" in turns[0]
-            and "value" in turns[0])
+            and "value" in turns[0]) or is_single_prompt(turns)
 
 
 def parse(record: Any, row: int) -> Conversation:
@@ -55,6 +60,8 @@ def parse(record: Any, row: int) -> Conversation:
     if key is None:
         raise RecordError("missing_field",
                           f"sharegpt record has no 'conversations' field (keys: {sorted(record)[:12]})")
+    if isinstance(turns, str):  # one prompt as a string: one human turn, or refused as a guess (the detail says why)
+        turns = [{"from": "human", "value": single_prompt_text(turns, key, "sharegpt")}]
     if not isinstance(turns, list):
         raise RecordError(BAD_FIELD_TYPE,
                           f"sharegpt field {key!r} is a {type(turns).__name__}, expected a list of turns")

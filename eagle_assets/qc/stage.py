@@ -18,7 +18,7 @@ from eagle_assets.catalog import Catalog, Thresholds
 from eagle_assets.qc.dataset_checks import DatasetChecks, dataset_checks
 from eagle_assets.qc.lengths import LengthRow, format_table, length_report
 from eagle_assets.qc.qc_pass import QC_SKIP_REASONS, QcSummary, qc_partition
-from eagle_assets.qc.status import QC_STATUS_FILE, ROWS_FILE, dataset_rows_files
+from eagle_assets.qc.status import QC_STATUS_FILE, ROWS_FILE, dataset_rows_files, findings_json, verdict_word
 from eagle_assets.qc.thresholds import Outcome, evaluate_token_structure
 from eagle_assets.storage.shards import (
     Layout,
@@ -72,9 +72,14 @@ def qc_partition_stage(layout: Layout, catalog: Catalog, key: str, target: Targe
         max_new_tokens=spec.sampling.max_new_tokens)
     structure = evaluate_token_structure(summary.drop_reasons(), thresholds)
     length = summary.response_length(thresholds)
+    levels = {"token_structure": structure.level, "response_length": length.level}
+    # the verdict and the findings it stands on are recorded with the levels, so every reader (the CLI, the UI's
+    # QC table, the evaluation report) says the same thing without re-running the checks (qc.status.qc_verdict)
     write_json_atomic(
-        {"partition": key, "token_structure": structure.level, "response_length": length.level,
-         "passed": structure.passed and length.passed, "kept": summary.kept, "rows": summary.rows,
+        {"partition": key, **levels, "passed": structure.passed and length.passed,
+         "verdict": verdict_word(levels, summary.kept), "kept": summary.kept, "rows": summary.rows,
+         "dropped": summary.rows - summary.kept,
+         "findings": findings_json({"token_structure": structure, "response_length": length}),
          "shards": len(summary.shards), "dataset": spec.dataset,
          **({"chunk": [spec.chunk, spec.chunks]} if spec.chunk is not None else {})},
         out / QC_STATUS_FILE)
@@ -114,10 +119,14 @@ def dataset_qc_stage(layout: Layout, catalog: Catalog, dataset: str) -> DatasetQ
         return DatasetQcResult(None, None, {}, missing)
     checks = dataset_checks(files, spec.thresholds)
     out = layout.stage_dir("dataset_qc", dataset)
+    levels = {"token_structure": checks.token_structure.level, "response_length": checks.response_length.level}
     write_json_atomic(
-        {"dataset": dataset, "chunks": spec.chunks, "token_structure": checks.token_structure.level,
-         "response_length": checks.response_length.level, "passed": checks.passed, "kept": checks.kept,
-         "rows": checks.rows, "rows_by_chunk": {Path(f).parent.name: n for f, n in checks.rows_by_file.items()},
+        {"dataset": dataset, "chunks": spec.chunks, **levels, "passed": checks.passed,
+         "verdict": verdict_word(levels, checks.kept), "kept": checks.kept, "rows": checks.rows,
+         "dropped": checks.rows - checks.kept,
+         "findings": findings_json({"token_structure": checks.token_structure,
+                                    "response_length": checks.response_length}),
+         "rows_by_chunk": {Path(f).parent.name: n for f, n in checks.rows_by_file.items()},
          "figures": {**checks.token_structure.figures, **checks.response_length.figures}},
         out / QC_STATUS_FILE)
     return DatasetQcResult(out, checks, {f.parent.name: len(shard_paths(f.parent)) for f in files}, [])

@@ -37,7 +37,8 @@ from eagle_assets.raw_prompts.write import (
 from eagle_assets.storage.guard import open_lock_file, refuse_symlink, remove_tree
 from eagle_assets.storage.shards import AtomicParquetWriter, atomic_file, write_json_atomic
 
-DATASET_CACHE_FORMAT = "2"  # bump when the files of a dataset's parse change meaning (2: Arrow IPC chunk files)
+# bump when the files of a dataset's parse change meaning (2: Arrow IPC chunk files; 3: rejects carry source_line)
+DATASET_CACHE_FORMAT = "3"
 MAX_OPEN_CHUNK_FILES = 64  # chunk files one pass over the sampled rows writes at once (more chunks: more passes)
 CHUNK_BUFFER_ROWS = ROW_GROUP_ROWS  # rows held over all open chunk files before every buffer is flushed
 _LOCK_FILE = ".lock"

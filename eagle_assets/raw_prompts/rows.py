@@ -5,7 +5,8 @@ serialise, drop duplicates), streamed record by record; ``eagle_assets.raw_promp
 groups and ``collect_prompt_rows`` gathers it in memory, so a test can drive exactly what the asset runs. Kept rows
 satisfy ``RAW_SCHEMA``: ``messages`` / ``tools`` / ``reference_reply`` are strict JSON (no NaN), valid UTF-8, with
 the roles and shapes of :func:`~eagle_assets.formats.conversation.check_conversation`. Reject rows satisfy
-``REJECT_SCHEMA`` with a reason from ``REJECT_REASONS`` and a detail saying what was wrong.
+``REJECT_SCHEMA`` with a reason from ``REJECT_REASONS`` and a detail saying what was wrong; positions a person reads
+(``source_line``, the details) are 1-based, ``source_row`` is the 0-based machine position.
 """
 
 from __future__ import annotations
@@ -32,9 +33,13 @@ RAW_SCHEMA = pa.schema(
         ("source_row", pa.int64()),
     ]
 )
+# A reject row: ``source_row`` is the machine position (0-based, as in RAW_SCHEMA and ``Conversation.source_row``:
+# the physical line index of a JSON Lines file, the element index of a JSON array, the row index of a Parquet file);
+# ``source_line`` is the same position as a person counts it, 1-based (``source_row + 1``: the line number an
+# editor or ``sed -n Np`` shows, the N-th element or row), the number every detail text uses too.
 REJECT_SCHEMA = pa.schema(
-    [("source_file", pa.string()), ("source_row", pa.int64()), ("sample_id", pa.string()),
-     ("reason", pa.string()), ("detail", pa.string())]
+    [("source_file", pa.string()), ("source_row", pa.int64()), ("source_line", pa.int64()),
+     ("sample_id", pa.string()), ("reason", pa.string()), ("detail", pa.string())]
 )
 _DETAIL_MAX = 1000
 
@@ -120,7 +125,8 @@ def iter_prompt_rows(
         shown_names.append(shown)
 
         def reject(row: int, sid: str | None, reason: str, detail: str) -> tuple[str, int, dict[str, Any]]:
-            return REJECT, index, {"source_file": shown, "source_row": row, "sample_id": sid, "reason": reason,
+            return REJECT, index, {"source_file": shown, "source_row": row, "source_line": row + 1,
+                                   "sample_id": sid, "reason": reason,
                                    "detail": detail.encode("utf-8", "backslashreplace").decode("utf-8")[:_DETAIL_MAX]}
 
         for rec in load_records(path, fmt):
@@ -135,7 +141,8 @@ def iter_prompt_rows(
                 continue
             first = seen.get(sid)
             if first is not None:
-                yield reject(rec.source_row, sid, DUPLICATE, f"same record as {shown_names[first[0]]} row {first[1]}")
+                yield reject(rec.source_row, sid, DUPLICATE,
+                             f"same record as source_line {first[1] + 1} of {shown_names[first[0]]} (kept)")
                 continue
             try:
                 prompt_messages, reference = build_prompt(rec, policy)

@@ -132,7 +132,7 @@ def _finish_batch(settings: _RenderSettings, records: list[dict], texts: list[An
     for r, rendered in zip(records, results):
         if isinstance(rendered, RenderError):
             bad.append({"source_file": r["source_file"], "source_row": r["source_row"],
-                        "sample_id": r["sample_id"], "reason": rendered.reason,
+                        "source_line": r["source_row"] + 1, "sample_id": r["sample_id"], "reason": rendered.reason,
                         "detail": str(rendered)[:1000]})
             reasons[rendered.reason] += 1
             continue

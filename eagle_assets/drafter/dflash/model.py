@@ -362,7 +362,8 @@ def block_loss(model: DFlashDraftModel, aux: torch.Tensor, ids: torch.Tensor, lo
     ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction="none").view(pos.shape)
     total = (ce * w).sum() / w.sum().clamp(min=1e-12)
     correct = (logits.argmax(-1) == labels) & (w > 0)
-    per_slot = [(int((w[..., k] > 0).sum()), float((ce[..., k] * w[..., k]).sum()), int(correct[..., k].sum()))
+    ce_w = (ce * w).detach()
+    per_slot = [(int((w[..., k] > 0).sum()), float(ce_w[..., k].sum()), int(correct[..., k].sum()))
                 for k in range(1, bs)]
     return total, per_slot
 

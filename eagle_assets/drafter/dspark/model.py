@@ -185,6 +185,7 @@ def dspark_loss(model: DSparkDraftModel, aux: torch.Tensor, ids: torch.Tensor, l
             model.confidence_logit(hidden, prev), accept, reduction="none")
     total = (terms * w).sum() / w.sum().clamp(min=1e-12)
     correct = (z.argmax(-1) == labels) & (w > 0)
-    per_slot = [(int((w[..., k] > 0).sum()), float((ce[..., k] * w[..., k]).sum()), int(correct[..., k].sum()))
+    ce_w = (ce * w).detach()
+    per_slot = [(int((w[..., k] > 0).sum()), float(ce_w[..., k].sum()), int(correct[..., k].sum()))
                 for k in range(g)]
     return total, per_slot

@@ -14,6 +14,11 @@ partitions, for held-out rows: stratified by partition, ``drafter.evaluation.acc
 
 Overlap: a suite row whose prompt ids (the tokens before its reply) equal those of a training-split row of the
 trained partitions is counted (``overlap_rows``) and reported; it is still measured.
+
+What the figures stand on: each suite's QC verdict (``qc.status.partition_verdict`` of ``eval-<suite>``: passed,
+warned or failed, with its blocking check, finding and kept / dropped replies) and the verdicts of the partitions
+the held-out rows come from are in the report (``qc``, ``heldout_qc``); a suite whose QC did not pass is marked
+in ``report.md``'s tables and in its gates' text. A failed suite is still measured, on the replies QC kept.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from eagle_assets.catalog import Catalog, suite_partition_key
 from eagle_assets.drafter.data.splits import iter_shard_rows, iter_split_rows, load_split_rows
 from eagle_assets.drafter.evaluation.acceptance import mean_tau_over_groups, position_buckets, simulate_acceptance
 from eagle_assets.drafter.evaluation.sampled import chain_probabilities, sampled_acceptance
+from eagle_assets.qc.status import PASSED, QcVerdict, dataset_verdict, partition_verdict
 from eagle_assets.storage.shards import Layout, atomic_files
 
 HELDOUT = "heldout"
@@ -65,6 +71,20 @@ class EvaluationReport:
     missing: dict[str, str]
     seconds: float
     notes: list[str] = field(default_factory=list)
+    # suite -> its partition's QC verdict (None: no QC yet); trained partition -> its verdict (the held-out rows'):
+    # what the figures stand on (qc.status.QcVerdict)
+    qc: dict[str, QcVerdict | None] = field(default_factory=dict)
+    heldout_qc: dict[str, QcVerdict | None] = field(default_factory=dict)
+
+    def qc_json(self) -> dict[str, dict | None]:
+        """``report.json``'s ``qc``: suite -> its QC verdict (``QcVerdict.to_dict``), None before its QC ran."""
+        return {name: v.to_dict() if v is not None else None for name, v in self.qc.items()}
+
+    def qc_marks(self) -> dict[str, str]:
+        """Suite -> ``QC failed`` / ``QC warned`` / ``no QC`` for each suite whose QC did not pass (what its rows
+        in ``report.md`` and the CLI are marked with)."""
+        return {name: ("no QC" if v is None else f"QC {v.verdict}") for name, v in self.qc.items()
+                if v is None or v.verdict != PASSED}
 
 
 def prompt_key(ids: np.ndarray, mask: np.ndarray) -> bytes:
@@ -147,22 +167,24 @@ def _records(suite: str, mode: str, temperature: float, curve: dict[int, dict], 
             for k, c in curve.items()]
 
 
-def gate(t, suite_spec, suite: str, mode: str, tau: float, rows: int) -> Gate:
+def gate(t, suite_spec, suite: str, mode: str, tau: float, rows: int, qc: QcVerdict | None = None) -> Gate:
     """The verdict on a suite x mode's greedy tau at ``training.acceptance_k``: ERROR at or under ``1 +
     min_tau_margin``, WARN under ``tau_warn`` (the suite's own levels, else the ``training`` section's); no rows
-    is an ERROR."""
+    is an ERROR. ``qc``: the suite partition's QC verdict; one that did not pass is named at the end of the text
+    (the level stays the tau's: the figure is right for the rows measured, the text says which rows those are)."""
     margin = suite_spec.min_tau_margin if suite_spec is not None and suite_spec.min_tau_margin is not None \
         else t.min_tau_margin
     warn = suite_spec.tau_warn if suite_spec is not None and suite_spec.tau_warn is not None else t.tau_warn
     error_at, k = 1.0 + margin, t.acceptance_k
+    stands = "" if qc is None or qc.verdict == PASSED else f"; suite QC {qc.text()}"
     if rows == 0:
         return Gate(suite, mode, "ERROR", 0.0, k, error_at, warn, 0,
                     f"ERROR: suite {suite}, thinking {mode}: no rows to measure (materialize partition "
-                    f"{suite_partition_key(suite)} and check its QC)")
+                    f"{suite_partition_key(suite)} and check its QC){stands}")
     level = "ERROR" if tau <= error_at else "WARN" if tau < warn else "OK"
     return Gate(suite, mode, level, tau, k, error_at, warn, rows,
                 f"{level}: suite {suite}, thinking {mode}: greedy tau {tau:.3f} at k={k} on {rows} rows (error at or "
-                f"under {error_at:g}, warn under {warn:g})")
+                f"under {error_at:g}, warn under {warn:g}){stands}")
 
 
 def evaluate_suites(catalog: Catalog, layout: Layout, target_model, drafter, vocab, trained_keys: list[str],
@@ -184,6 +206,11 @@ def evaluate_suites(catalog: Catalog, layout: Layout, target_model, drafter, voc
     gates: list[Gate] = []
     overlap: dict[str, int] = {}
     missing: dict[str, str] = {}
+    notes: list[str] = []
+    qc = {name: partition_verdict(layout, suite_partition_key(name)) for name in spec.suites}
+    # a chunked dataset's verdict is over all its chunks (dataset_qc), as training judged it
+    heldout_qc = {key: dataset_verdict(layout, key) if key in catalog.chunked_datasets else partition_verdict(
+        layout, key) for key in trained_keys} if spec.heldout else {}
     if spec.heldout:
         held = sorted(load_split_rows(layout, catalog, trained_keys, "test"), key=lambda r: (r[3], r[0]))
         by_mode: dict[str, dict[str, list[Row]]] = {}
@@ -193,13 +220,16 @@ def evaluate_suites(catalog: Catalog, layout: Layout, target_model, drafter, voc
             curve = _greedy_curve(target_model, drafter, vocab, groups, ks, edges, boot, cap)
             records += _records(HELDOUT, mode, 0.0, curve, sum(len(g) for g in groups.values()))
         log(f"evaluation: held-out rows of {trained_keys} measured")
+        if not held:
+            notes.append(f"no held-out test rows in the trained partitions {trained_keys}: raise "
+                         "training.holdout_fraction or holdout_rows to measure them")
     train_keys = training_prompt_keys(layout, catalog, trained_keys) if spec.suites else set()
     for name, suite in spec.suites.items():
         try:
             rows_by_mode = suite_rows(layout, catalog, name)
         except FileNotFoundError as exc:
             missing[name] = str(exc)
-            gates += [gate(t, suite, name, mode, 0.0, 0) for mode in suite.modes]
+            gates += [gate(t, suite, name, mode, 0.0, 0, qc[name]) for mode in suite.modes]
             continue
         overlap[name] = sum(prompt_key(ids, mask) in train_keys
                             for rows in rows_by_mode.values() for _s, ids, mask in rows)
@@ -208,36 +238,63 @@ def evaluate_suites(catalog: Catalog, layout: Layout, target_model, drafter, voc
         for mode in suite.modes:  # rows of another mode are stale: the suite's thinking setting changed
             rows = [(ids, mask) for _s, ids, mask in rows_by_mode.get(mode, [])]
             if not rows:
-                gates.append(gate(t, suite, name, mode, 0.0, 0))
+                gates.append(gate(t, suite, name, mode, 0.0, 0, qc[name]))
                 continue
             greedy = _greedy_curve(target_model, drafter, vocab, {name: rows}, ks, edges, boot, cap)
             records += _records(name, mode, 0.0, greedy, len(rows))
             if suite.sampling.temperature > 0:
                 sampled = _sampled_curve(target_model, drafter, vocab, rows, ks, suite.sampling, edges, boot)
                 records += _records(name, mode, float(suite.sampling.temperature), sampled, len(rows))
-            gates.append(gate(t, suite, name, mode, greedy[t.acceptance_k]["tau"], len(rows)))
+            gates.append(gate(t, suite, name, mode, greedy[t.acceptance_k]["tau"], len(rows), qc[name]))
         log(f"evaluation: suite {name} measured ({ {m: len(r) for m, r in rows_by_mode.items()} } rows by mode)")
     for record in records:
         for bucket in record["position_buckets"]:
             bucket["past_training_length"] = bucket["from"] >= t.max_length
-    return EvaluationReport(records, gates, overlap, missing, time.perf_counter() - started)
+    return EvaluationReport(records, gates, overlap, missing, time.perf_counter() - started, notes=notes, qc=qc,
+                            heldout_qc=heldout_qc)
+
+
+def qc_markdown(report: EvaluationReport) -> list[str]:
+    """The lines of ``report.md`` that say what the figures stand on: a table of each suite's QC verdict (passed,
+    warned or failed, kept and dropped replies, the finding) and the verdicts of the partitions the held-out rows
+    come from (none when there are neither)."""
+    lines = []
+    if report.qc:
+        lines += ["", "what the figures stand on: each suite's QC (a suite whose QC failed is measured on the replies "
+                  "QC kept; docs/evaluation.md, QC of a suite):", "",
+                  "| suite | partition | QC | kept | dropped | finding |", "|---|---|---|---|---|---|"]
+        for name, v in report.qc.items():
+            lines.append(f"| {name} | {suite_partition_key(name)} | not run | - | - | no qc_status.json: materialize "
+                         "the partition |" if v is None else
+                         f"| {name} | {v.partition} | {v.verdict} | {v.kept} | {v.dropped} | {v.finding() or '-'} |")
+    if report.heldout_qc:
+        lines += ["", "held-out rows from: " + ", ".join(
+            f"{key} QC {v.verdict}" + (f" ({v.finding()})" if v.finding() else "") if v is not None
+            else f"{key} (no QC)" for key, v in report.heldout_qc.items())]
+    return lines
 
 
 def report_markdown(report: EvaluationReport, ks: list[int]) -> str:
-    """``report.md``: tau per suite x thinking mode x temperature at each k (95% interval at the largest), the
-    per-position acceptance and tau by position in the sequence at the largest k, the gates and the overlap
+    """``report.md``: tau per suite x thinking mode x temperature at each k (95% interval at the largest; a suite
+    whose QC did not pass is marked, e.g. ``gsm8k (QC failed)``), what the figures stand on (:func:`qc_markdown`),
+    the per-position acceptance and tau by position in the sequence at the largest k, the gates and the overlap
     counts."""
     rows: dict[tuple, dict[int, dict]] = {}
     for r in report.records:
         rows.setdefault((r["suite"], r["thinking"], r["temperature"]), {})[r["k"]] = r
+    marks = report.qc_marks()
     top = max(ks)
     lines = ["| suite | thinking | T | rows | " + " | ".join(f"tau k={k}" for k in ks) + f" | 95% CI k={top} |",
              "|---|---|---|---|" + "---|" * len(ks) + "---|"]
     for (suite, mode, temp), by_k in rows.items():
         last = by_k[top]
         ci = f"{last['ci_low']:.2f}-{last['ci_high']:.2f}" if last["ci_low"] is not None else "-"
-        lines.append(f"| {suite} | {mode} | {temp:g} | {last['rows']} | "
+        name = f"{suite} ({marks[suite]})" if suite in marks else suite
+        lines.append(f"| {name} | {mode} | {temp:g} | {last['rows']} | "
                      + " | ".join(f"{by_k[k]['tau']:.3f}" for k in ks) + f" | {ci} |")
+    if not rows:
+        lines.append("| (nothing measured) |" + " |" * (4 + len(ks)))
+    lines += qc_markdown(report)
     lines += ["", f"per-position acceptance at k={top} (share of verifications with drafts 1..j accepted):", "",
               "| suite | thinking | T | " + " | ".join(f"j={j}" for j in range(1, top + 1)) + " |",
               "|---|---|---|" + "---|" * top]
@@ -258,7 +315,28 @@ def report_markdown(report: EvaluationReport, ks: list[int]) -> str:
                   + ", ".join(f"{s} {n}" for s, n in report.overlap_rows.items())]
     for suite, why in report.missing.items():
         lines.append(f"\nsuite {suite} not measured: {why}")
+    lines += [f"\nnote: {note}" for note in report.notes]
     return "\n".join(lines) + "\n"
+
+
+def stands_on_lines(doc: dict) -> list[str]:
+    """What a ``report.json`` document (``doc``) stands on, one line per suite (its QC verdict with the kept and
+    dropped replies; a failed suite's figures are the replies QC kept) and one for the held-out rows' partitions;
+    [] for a report written before verdicts were recorded."""
+    lines = []
+    for name, v in (doc.get("qc") or {}).items():
+        if v is None:
+            lines.append(f"suite {name}: QC not run (materialize partition {suite_partition_key(name)})")
+            continue
+        reason = f" ({v['finding']})" if v.get("finding") else ""
+        lines.append(f"suite {name}: QC {v['verdict']}{reason}; kept {v['kept']} of {v['rows']} replies, "
+                     f"{v['dropped']} dropped" + ("; its figures are on the replies QC kept"
+                                                  if v["verdict"] == "failed" else ""))
+    held = doc.get("heldout_qc") or {}
+    if held:
+        lines.append("held-out rows from: " + ", ".join(
+            f"{k} QC {v['verdict']}" if v is not None else f"{k} (no QC)" for k, v in held.items()))
+    return lines
 
 
 def tau_vs_k_png(report: EvaluationReport) -> bytes:
@@ -276,13 +354,14 @@ def tau_vs_k_png(report: EvaluationReport) -> bytes:
     ax.set_xlabel("k (drafts per verification)")
     ax.set_ylabel("tau (tokens per verification)")
     ax.set_title("acceptance length vs k", fontsize=10)
-    ax.legend(fontsize=6)
+    if curves:  # an empty legend is a matplotlib warning: nothing measured draws empty axes
+        ax.legend(fontsize=6)
     return figure_png(fig)
 
 
 def write_report(report: EvaluationReport, out: Path, ks: list[int]) -> tuple[str, bytes]:
-    """Write ``report.json`` (records, gates, overlap, missing), ``report.md`` and ``tau_vs_k.png`` to ``out``;
-    returns the markdown and the PNG.
+    """Write ``report.json`` (records, gates, overlap, missing, ``qc``: each suite's QC verdict, ``heldout_qc``: the
+    held-out partitions'), ``report.md`` and ``tau_vs_k.png`` to ``out``; returns the markdown and the PNG.
 
     The three are rendered first, written to temp files and renamed into place together once all are written
     (``storage.shards.atomic_files``): a failure anywhere leaves the previous report whole, with no temp file.
@@ -290,6 +369,9 @@ def write_report(report: EvaluationReport, out: Path, ks: list[int]) -> tuple[st
     out.mkdir(parents=True, exist_ok=True)
     doc = json.dumps({"records": report.records, "gates": [g.__dict__ for g in report.gates],
                       "overlap_rows": report.overlap_rows, "missing": report.missing,
+                      "qc": report.qc_json(),
+                      "heldout_qc": {k: v.to_dict() if v is not None else None for k, v in report.heldout_qc.items()},
+                      **({"notes": report.notes} if report.notes else {}),
                       "seconds": round(report.seconds, 2)}, indent=2, sort_keys=True, default=str)
     md = report_markdown(report, ks)
     png = tau_vs_k_png(report)
