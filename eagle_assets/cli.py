@@ -4,8 +4,8 @@
     eagle-assets report [--catalog PATH]
 
 ``run`` runs every partition of the catalog (evaluation suites included, as ``eval-<suite>``), then
-``training_job`` (with the ``evaluation`` asset when the catalog has an evaluation section) and prints the
-evaluation report. ``--partitions`` takes dataset keys and chunk keys: a chunked dataset's key runs its
+``training_job`` (with the ``evaluation`` asset: every catalog has one, held-out rows at least, except with
+``evaluation: null`` or served features) and prints the evaluation report. ``--partitions`` takes dataset keys and chunk keys: a chunked dataset's key runs its
 ``raw_prompts`` over all its chunks in one run (one parse, one step: ``assets.dataset_runs``), then every one of
 its chunks through the rest of ``partition_job``, one run each, then ``dataset_job`` (its checks over all its
 chunks); a chunk key runs that chunk (``dataset_job`` follows once all of the dataset's chunks have QC rows).
