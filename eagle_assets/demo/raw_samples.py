@@ -171,7 +171,8 @@ def _mixturethoughts_malformed(sample: DemoSample, row: int) -> dict[str, Any]:
     if row == MALFORMED_ROWS[0]:
         rec["messages"] = rec["messages"][1:]
     else:
-        rec["messages"] = _user(sample)
+        # one turn where the layout wants a list of turns (a lone string would be read as one user prompt)
+        rec["messages"] = {"role": "user", "content": _user(sample)}
     return rec
 
 
