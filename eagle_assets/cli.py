@@ -8,7 +8,8 @@
 ``evaluation: null`` or served features) and prints the evaluation report. ``--partitions`` takes dataset keys
 and chunk keys: a chunked dataset's key runs its ``raw_prompts`` over all its chunks in one run (one parse, one
 step: ``assets.dataset_runs``), then every one of its chunks through the rest of ``partition_job``, one run each,
-then ``dataset_job`` (its checks over all its chunks); a chunk key runs that chunk (``dataset_job`` follows once all of the dataset's chunks have QC rows).
+then ``dataset_job`` (its checks over all its chunks); a chunk key runs that chunk (``dataset_job`` follows once
+all of the dataset's chunks have QC rows).
 ``run`` executes the Dagster jobs in-process against the persistent instance in ``$DAGSTER_HOME`` (set to the repo
 root, where ``dagster.yaml`` lives, when unset), so every run shows in ``dagster dev`` afterwards; it prints the
 command that opens that instance in the UI (:func:`ui_command`). Each run's summary (:func:`partition_summary`) is
