@@ -109,6 +109,9 @@ def test_a_sampled_anchor_set_is_seeded_and_a_subset():
     a2, _ = anchors_of(mask, 8, torch.Generator().manual_seed(3))
     assert torch.equal(a1, a2) and k1.all() and a1.shape == (1, 8)
     assert a1[0].tolist() == sorted(set(a1[0].tolist())) and a1.max() <= 38
+    state = torch.get_rng_state()
+    every, _ = anchors_of(mask, 512)  # a row within the cap takes all its anchors and draws nothing
+    assert every[0].tolist() == list(range(39)) and torch.equal(torch.get_rng_state(), state)
 
 
 def test_the_export_validates_both_ways_and_round_trips(tmp_path):

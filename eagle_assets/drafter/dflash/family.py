@@ -9,6 +9,7 @@ from eagle_assets.drafter.dflash.export import export_checkpoint, load_drafter, 
 from eagle_assets.drafter.dflash.model import (
     ARCHITECTURE,
     DEFAULT_BLOCK_SIZE,
+    NUM_ANCHORS,
     DFlashConfig,
     DFlashDraftModel,
     anchors_of,
@@ -79,8 +80,8 @@ def build_model(config: DFlashConfig, embed_weight, _draft_token_ids, lm_head_we
 
 
 def batch_loss(model: DFlashDraftModel, batch: TrainBatch, _weights, normalizer=None):
-    """SpecForge 0.2.0's DFlash objective on the batch with every anchor of every row (SpecForge samples 512 per
-    row: every one for rows with fewer).
+    """SpecForge 0.2.0's DFlash objective on the batch: every anchor of each row, or ``NUM_ANCHORS`` of them drawn
+    (torch's global generator) when a row has more, as SpecForge's ``num_anchors``.
 
     Raises:
         ValueError: ``normalizer`` given (data-parallel DFlash training is not built: the catalog refuses it).
@@ -88,7 +89,7 @@ def batch_loss(model: DFlashDraftModel, batch: TrainBatch, _weights, normalizer=
     if normalizer is not None:
         raise ValueError("DFlash training runs in one process (training.launcher: inline)")
     mask = batch.loss_mask.long()
-    anchors, keep = anchors_of(mask)
+    anchors, keep = anchors_of(mask, NUM_ANCHORS)
     return block_loss(model, batch.aux, batch.ids, mask, anchors, keep)
 
 

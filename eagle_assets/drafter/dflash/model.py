@@ -36,6 +36,9 @@ ARCHITECTURE = "DFlashDraftModel"
 DEFAULT_BLOCK_SIZE = 16
 # anchors per chunk of the block forward: the keys of a chunk are the row's context plus its blocks' tokens
 ANCHOR_CHUNK = 64
+# blocks trained per row and step (SpecForge 0.2.0's num_anchors): a step's attention grows with the blocks' tokens
+# times the row's, so a long row draws this many of its anchors instead of taking every one
+NUM_ANCHORS = 512
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -371,7 +374,8 @@ def block_loss(model: DFlashDraftModel, aux: torch.Tensor, ids: torch.Tensor, lo
 def anchors_of(loss_mask: torch.Tensor, num_anchors: int | None = None, generator: torch.Generator | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """SpecForge's anchor choice: positions ``a`` with ``loss_mask[a] = loss_mask[a + 1] = 1``; all of them, or
-    ``num_anchors`` per row drawn uniformly without replacement (``generator``), ascending.
+    ``num_anchors`` per row drawn uniformly without replacement (``generator``; None = torch's global generator,
+    which a resumable training state saves) when some row has more, ascending.
 
     Returns:
         ``(anchors int64 [b, N], keep bool [b, N])``, ``N`` = the most any row has (capped by ``num_anchors``).
@@ -382,11 +386,12 @@ def anchors_of(loss_mask: torch.Tensor, num_anchors: int | None = None, generato
     valid = m[:, :-1] & m[:, 1:]
     counts = valid.sum(1)
     width = int(counts.max()) if valid.numel() else 0
-    if num_anchors is not None:
-        width = min(width, num_anchors)
     if width == 0:
         raise ValueError("no anchor: a row needs two adjacent loss-masked tokens")
-    u = torch.rand(valid.shape, generator=generator) if num_anchors is not None else \
+    draw = num_anchors is not None and width > num_anchors  # every row fits: all its anchors, no draw
+    if draw:
+        width = num_anchors
+    u = torch.rand(valid.shape, generator=generator) if draw else \
         torch.arange(valid.shape[1], dtype=torch.float32).expand_as(valid) / valid.shape[1]
     u = torch.where(valid, u, torch.full_like(u, 2.0))
     chosen = u.argsort(1)[:, :width]

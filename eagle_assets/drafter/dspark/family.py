@@ -11,7 +11,7 @@ from typing import Any
 from eagle_assets.drafter.dflash.export import export_checkpoint, load_drafter, validate_checkpoint
 from eagle_assets.drafter.dflash.family import capture_ids
 from eagle_assets.drafter.dflash.family import draft_config as dflash_draft_config
-from eagle_assets.drafter.dflash.model import anchors_of
+from eagle_assets.drafter.dflash.model import NUM_ANCHORS, anchors_of
 from eagle_assets.drafter.dspark.model import ARCHITECTURE, DEFAULT_GAMMA, DSparkConfig, DSparkDraftModel, dspark_loss
 from eagle_assets.drafter.family import DraftArchitecture, DraftFamily, TrainBatch
 
@@ -30,7 +30,7 @@ def build_model(config: DSparkConfig, embed_weight, _draft_token_ids, lm_head_we
 
 
 def batch_loss(model: DSparkDraftModel, batch: TrainBatch, _weights, normalizer=None):
-    """SpecForge 0.2.0's DSpark objective with every anchor of every row.
+    """SpecForge 0.2.0's DSpark objective: every anchor of each row, or ``NUM_ANCHORS`` drawn when a row has more.
 
     Raises:
         ValueError: ``normalizer`` given (DSpark trains in one process: the catalog refuses torchrun).
@@ -38,7 +38,7 @@ def batch_loss(model: DSparkDraftModel, batch: TrainBatch, _weights, normalizer=
     if normalizer is not None:
         raise ValueError("DSpark training runs in one process (training.launcher: inline)")
     mask = batch.loss_mask.long()
-    anchors, keep = anchors_of(mask)
+    anchors, keep = anchors_of(mask, NUM_ANCHORS)
     return dspark_loss(model, batch.aux, batch.ids, mask, anchors, keep, batch.target_hidden)
 
 
