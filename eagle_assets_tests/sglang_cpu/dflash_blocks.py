@@ -41,23 +41,6 @@ import numpy as np
 import torch
 
 
-def _init():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 2000))
-    from sglang.srt.distributed.parallel_state import (
-        init_distributed_environment,
-        initialize_model_parallel,
-        model_parallel_is_initialized,
-    )
-    from sglang.test.test_utils import publish_build_topology
-
-    if not torch.distributed.is_initialized():
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
-    if not model_parallel_is_initialized():
-        publish_build_topology(tp_size=1, ep_size=1, pp_size=1)
-        initialize_model_parallel(backend="gloo")
-
-
 def _load(checkpoint):
     from safetensors.torch import load_file
     from sglang.srt.models.dflash import DFlashDraftModel
@@ -145,7 +128,10 @@ def main(cases_path, out_path):
     # DSpark's confidence head is built only in a ragged verify mode; DFlash reads no such setting
     os.environ["SGLANG_RAGGED_VERIFY_MODE"] = "compact"
     cases = json.loads(open(cases_path).read())["cases"]
-    _init()
+    # world-1 gloo groups, as for the EAGLE-3 drafts (no draft window here)
+    from draft_chains import _init
+
+    _init(None)
     results = {}
     for case in cases:
         model, parsed, written, untouched, counts = _load(case["checkpoint"])
