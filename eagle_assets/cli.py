@@ -592,6 +592,10 @@ def _run_jobs(args: argparse.Namespace, defs, instance, catalog, catalog_path: P
                 for line in stands_on_lines(doc):
                     print(f"  {line}", flush=True)
                 print(report.read_text(), flush=True)
+            compared = layout.base / "drafter_comparison" / "report.md"
+            if catalog.training.compare and compared.exists():
+                print(f"drafters side by side (training.compare, docs/drafters.md): {compared.parent}\n"
+                      f"{compared.read_text()}", flush=True)
         else:
             failed.append("training")
     print(f"total {time.monotonic() - t_all:.1f} s")

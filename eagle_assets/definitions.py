@@ -25,6 +25,7 @@ from pathlib import Path
 import dagster as dg
 
 from eagle_assets.assets.automation import asset_conditions, build_automation_sensor
+from eagle_assets.assets.comparison import build_comparison_assets
 from eagle_assets.assets.evaluation import build_evaluation_assets
 from eagle_assets.assets.exports import build_export_assets
 from eagle_assets.assets.generation import build_generation_assets
@@ -54,6 +55,7 @@ EVALUATION_JOB = "evaluation_job"  # in every catalog's Definitions but one with
 PARTITION_ASSETS = ["raw_prompts", "tokenized_prompts", "generations", "qc_shards", "length_report"]
 TRAINING_ASSETS = ["draft_vocab", "training_mix", "drafter_checkpoint"]
 EVALUATION_ASSETS = ["evaluation"]
+COMPARISON_ASSETS = ["drafter_comparison"]  # with training.compare: the drafters side by side
 # Each run observes the inputs it reads first, so its materializations record current input data versions.
 PARTITION_JOB_INPUTS = [*PARTITION_INPUTS, TARGET_TOKENIZER, TARGET_MODEL]
 TRAINING_JOB_INPUTS = [TRAINING_SETTINGS, TARGET_MODEL]
@@ -85,6 +87,7 @@ def build_definitions(
         *build_dataset_assets(catalog, partitions_def),
         *build_training_assets(full_asset_graph=lambda: defs.resolve_asset_graph()),
         *build_evaluation_assets(catalog),
+        *build_comparison_assets(catalog),
         *build_export_assets(),
     ]
     conditions = asset_conditions()
@@ -106,19 +109,21 @@ def build_definitions(
         description="One dataset partition from raw prompts to QC shards, then the refreshed length report.",
     )
     evaluated = catalog.evaluation is not None
+    measured = ([*EVALUATION_ASSETS, *(COMPARISON_ASSETS if catalog.training.compare else [])]
+                if evaluated else [])
     training_job = dg.define_asset_job(
         TRAINING_JOB,
-        selection=dg.AssetSelection.assets(*TRAINING_JOB_INPUTS, *TRAINING_ASSETS,
-                                           *(EVALUATION_ASSETS if evaluated else [])),
+        selection=dg.AssetSelection.assets(*TRAINING_JOB_INPUTS, *TRAINING_ASSETS, *measured),
         executor_def=executor_def,
-        description="Draft vocab, training mix and EAGLE-3 drafter checkpoint from every partition whose QC passed"
-                    + (", then its evaluation (held-out rows and the catalog's suites)." if evaluated else "."),
+        description="Draft vocab, training mix and drafter checkpoint from every partition whose QC passed"
+                    + (", then its evaluation (held-out rows and the catalog's suites)" if evaluated else "")
+                    + (" and the drafters of training.compare side by side." if len(measured) > 1 else "."),
     )
     jobs = [partition_job, training_job]
     if evaluated:
         jobs.append(dg.define_asset_job(
             EVALUATION_JOB,
-            selection=dg.AssetSelection.assets(*EVALUATION_ASSETS),
+            selection=dg.AssetSelection.assets(*measured),
             executor_def=executor_def,
             description="The trained drafter measured on its held-out rows and the evaluation suites (run their "
                         "eval-<suite> partitions with partition_job first).",

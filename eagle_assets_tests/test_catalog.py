@@ -3,6 +3,7 @@ the field and the fix."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -257,6 +258,44 @@ def test_training_drafter_choice_resolves_per_target_class():
             TrainingSpec(drafter=bad)
 
 
+def test_training_compare_trains_each_entry_with_the_training_section_and_refuses_what_cannot_train(tmp_path):
+    """``training.compare``: each entry is the training section with its drafter (and aux ids) swapped in, every
+    cross-field rule applied to it at load, named ``training.compare.<label>``; the comparison asset joins
+    ``training_job`` and ``evaluation_job``; what cannot be measured side by side is refused."""
+    import dagster as dg
+
+    from eagle_assets.definitions import EVALUATION_JOB, TRAINING_JOB, build_definitions
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "p1.jsonl").write_text('{"question": "2+2?"}\n')
+    text = MINIMAL + ("training:\n  aux_layer_ids: [1, 2, 3]\n  compare:\n"
+                      "    spark: {architecture: dspark, block_size: 3}\n"
+                      "    flash5: {architecture: dflash, aux_layer_ids: [1, 2, 3, 4, 5]}\n"
+                      "    three_one: {architecture: llama, fc_norm: true, norm_output: true}\n")
+    cat = load_catalog(_write(tmp_path, text))
+    spark, flash, three = (cat.training.for_compared(k) for k in ("spark", "flash5", "three_one"))
+    assert (spark.drafter.architecture, spark.drafter.block_size, spark.aux_layer_ids) == ("dspark", 3, [1, 2, 3])
+    assert flash.aux_layer_ids == [1, 2, 3, 4, 5] and three.drafter.fc_norm and three.compare == {}
+    assert (spark.lr, spark.train_tokens, spark.mix) == (cat.training.lr, cat.training.train_tokens,
+                                                         cat.training.mix)
+    defs = build_definitions(tmp_path / "cat.yaml", storage_root=tmp_path / "store")
+    compared = dg.AssetKey("drafter_comparison")
+    assert compared in defs.resolve_job_def(TRAINING_JOB).asset_layer.selected_asset_keys
+    assert compared in defs.resolve_job_def(EVALUATION_JOB).asset_layer.selected_asset_keys
+    plain = build_definitions(_write(tmp_path, MINIMAL, "plain.yaml"), storage_root=tmp_path / "store")
+    assert compared not in plain.resolve_job_def(TRAINING_JOB).asset_layer.selected_asset_keys
+    for entry, needle in (("x: {architecture: auto}", "training.compare.x: architecture auto"),
+                          ("x: {architecture: dflash, fc_norm: true}", r"training.compare.x: \['fc_norm'\] are "
+                                                                       "EAGLE-3 settings"),
+                          ("x: {architecture: llama, aux_layer_ids: [1, 2]}", "training.compare.x does not train.*"
+                                                                              "three non-negative"),
+                          ("../x: {architecture: llama}", "names a folder")):
+        err = _error(tmp_path, MINIMAL + f"training:\n  compare:\n    {entry}\n")
+        assert re.search(needle, str(err)), str(err)
+    err = _error(tmp_path, MINIMAL + "evaluation: null\ntraining:\n  compare: {x: {architecture: dspark}}\n")
+    assert "training.compare measures each drafter with the evaluation section" in str(err)
+
+
 def test_a_suite_is_a_partition_never_trained_on(tmp_path):
     """A suite resolves as partition ``eval-<suite>`` with its own spec (``all_turns``, its thinking modes), is a
     Dagster partition key after the datasets', and is neither a dataset nor a training partition."""
@@ -330,3 +369,19 @@ def test_a_legacy_unseen_eval_becomes_a_suite_and_says_so(tmp_path):
     with pytest.raises(CatalogError, match=r"training.unseen_eval.*max_new_token"):
         load_catalog(_write(tmp_path, MINIMAL + "training:\n  unseen_eval: {sources: [{path: u.jsonl}], "
                                                 "max_new_token: 9}\n", "typo.yaml"))
+
+
+def test_block_drafters_train_on_served_features_and_under_torchrun_but_dspark_not_on_served(tmp_path):
+    """DFlash and DSpark train under ``launcher: torchrun``, DFlash also on ``features: served`` with any number of
+    target layers (the three-id rule is EAGLE-3's); DSpark on served features is refused, saying why."""
+    from eagle_assets.catalog import TrainingSpec
+
+    flash = TrainingSpec(drafter={"architecture": "dflash"}, features="served", launcher="torchrun",
+                         nproc_per_node=2, aux_layer_ids=[1, 3, 4, 5, 6])
+    assert (flash.features.source, flash.launcher, flash.aux_layer_ids) == ("served", "torchrun", [1, 3, 4, 5, 6])
+    assert TrainingSpec(drafter={"architecture": "dspark"}, launcher="torchrun").launcher == "torchrun"
+    with pytest.raises(ValueError, match="a dspark drafter trains with features: local: its L1 term .* never that "
+                                         "state"):
+        TrainingSpec(drafter={"architecture": "dspark"}, features={"source": "served", "teacher": "topk"})
+    with pytest.raises(ValueError, match="three non-negative layer ids \\(an EAGLE-3 drafter"):
+        TrainingSpec(aux_layer_ids=[1, 3, 4, 5, 6])

@@ -84,15 +84,23 @@ def _brute_loss(model, aux, ids, mask):
     return torch.stack(ces).sum() / sum(ws)
 
 
+def masked_batch(seed: int, length: int, spans: tuple[tuple[slice, ...], ...], widths: tuple[int, ...]):
+    """A batch of ``len(spans)`` random rows of ``length`` ids, ``loss_mask`` 1 on each row's spans (a gap between
+    two spans is a hole), and one random float tensor ``[rows, length, w]`` per width, all from ``seed``:
+    ``(ids, mask, *tensors)``."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V - 1, (len(spans), length), generator=gen)
+    mask = torch.zeros(len(spans), length, dtype=torch.long)
+    for row, row_spans in enumerate(spans):
+        for span in row_spans:
+            mask[row, span] = 1
+    return (ids, mask, *(torch.randn(len(spans), length, w, generator=gen) for w in widths))
+
+
 def test_the_batched_objective_equals_a_block_by_block_computation():
     model = _draft()
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, V - 1, (2, 14), generator=gen)
-    mask = torch.zeros(2, 14, dtype=torch.long)
-    mask[0, 4:] = 1
-    mask[1, 3:9] = 1
-    mask[1, 10:] = 1  # a hole: slots landing on position 9 weigh 0, later slots still count
-    aux = torch.randn(2, 14, 2 * H, generator=gen)
+    # a hole in row 1: slots landing on position 9 weigh 0, later slots still count
+    ids, mask, aux = masked_batch(1, 14, ((slice(4, None),), (slice(3, 9), slice(10, None))), (2 * H,))
     anchors, keep = anchors_of(mask)
     assert anchors[0][keep[0]].tolist() == list(range(4, 13))
     assert anchors[1][keep[1]].tolist() == [3, 4, 5, 6, 7, 10, 11, 12]
@@ -250,3 +258,87 @@ def test_the_training_assets_train_and_export_a_dflash_draft(target8, tmp_path):
     assert family_of_checkpoint(ckpt).serve_flags(ckpt, 4)[:2] == ["--speculative-algorithm", "DFLASH"]
     metrics = json.loads((ckpt.parent / "training_metrics.json").read_text())
     assert len(metrics["steps"][0]["step_loss"]) == 5  # one figure per drafted slot, 1..B-1
+
+
+def shards_add_up(family, model, monkeypatch, extra=None, cap=5, world=2):
+    """The data-parallel loss of ``family`` taken apart by hand: one process's loss and gradient of a 5-row batch
+    whose longer rows have more than ``cap`` anchors (so the blocks are drawn), against ``world`` ranks' shards
+    (``rows[r::world]``, each padded to its own longest row) with the global per-slot counts as ``normalizer``:
+    DDP averages the ranks' gradients of ``world x`` their losses, so the ranks' losses and gradients must add up
+    to one process's. Returns the drawn ``keep`` mask."""
+    import eagle_assets.drafter.dflash.family as dflash_family
+    from eagle_assets.drafter.family import TrainBatch, block_rows
+
+    monkeypatch.setattr(dflash_family, "NUM_ANCHORS", cap)
+    gen = torch.Generator().manual_seed(4)
+    lengths = [16, 14, 12, 9, 7]
+    ids = torch.randint(0, V - 1, (5, 16), generator=gen)
+    mask = torch.zeros(5, 16, dtype=torch.bool)
+    for r, n in enumerate(lengths):
+        mask[r, 3:n] = True
+    aux = torch.randn(5, 16, len(model.config.target_layer_ids) * H, generator=gen)
+    more = dict(extra or {})
+
+    def batch(rows, anchors):
+        t = max(lengths[r] for r in rows)
+        return TrainBatch(aux=aux[rows, :t], ids=ids[rows, :t], loss_mask=mask[rows, :t], supervision=None,
+                          draft_token_ids=None, anchors=anchors, **{k: v[rows, :t] for k, v in more.items()})
+
+    torch.manual_seed(11)
+    drawn = family.draw_anchors(mask)
+    torch.manual_seed(11)
+    assert all(torch.equal(a, b) for a, b in zip(drawn, family.draw_anchors(mask)))  # every rank draws this
+    steps = family.loss_steps(model.config, 0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    everyone = list(range(5))
+    loss, per_slot = family.batch_loss(model, batch(everyone, block_rows(drawn, everyone)), None)
+    want = torch.autograd.grad(loss, params)
+    shards = [everyone[r::world] for r in range(world)]
+    local = [family.loss_counts(batch(rows, block_rows(drawn, rows)), steps) for rows in shards]
+    normalizer = [sum(c) for c in zip(*local)]
+    assert normalizer == [n for n, _, _ in per_slot]  # the global counts are one process's
+    total, got = 0.0, [torch.zeros_like(p) for p in params]
+    for rows in shards:
+        part, _ = family.batch_loss(model, batch(rows, block_rows(drawn, rows)), None, normalizer=normalizer)
+        total += float(part.detach())
+        for g, d in zip(got, torch.autograd.grad(world * part, params)):
+            g += d / world
+    assert total == pytest.approx(float(loss.detach()), rel=1e-5)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    return drawn[1]
+
+
+def test_data_parallel_shards_add_up_to_one_process_on_the_blocks_it_drew(monkeypatch):
+    """DFlash under torchrun: every rank draws the global batch's blocks (rows over the anchor cap draw, from
+    torch's generator, the same on every rank) and trains its rows on them; divided by the global batch's slot
+    counts, the ranks' losses and averaged gradients are one process's."""
+    keep = shards_add_up(family_for("dflash"), _draft(), monkeypatch)
+    assert keep.sum(1).tolist() == [5, 5, 5, 5, 3]  # rows 0-3 drew 5 of their 12, 10, 8, 5 anchors; row 4 all 3
+
+
+def test_the_chunked_objective_gives_the_unchunked_loss_and_gradients():
+    """block_loss's objective in chunks of 1 and 3 blocks equals it in one chunk and the autograd block-by-block
+    objective: the loss and every parameter's gradient (the gradient is computed in the chunks' forward)."""
+    model = _draft()
+    ids, mask, aux = masked_batch(4, 12, ((slice(3, None),), (slice(2, 6), slice(7, None))), (2 * H,))
+    anchors, keep = anchors_of(mask)
+    assert_chunks_match(model, lambda: _brute_loss(model, aux, ids, mask),
+                        lambda chunk: block_loss(model, aux, ids, mask, anchors, keep, chunk_blocks=chunk)[0])
+
+
+def assert_chunks_match(model, reference, chunked) -> None:
+    """``chunked(chunk_blocks)`` (a loss) at chunks of every block, 1 and 3 gives ``reference()``'s loss and every
+    parameter's gradient of ``model``."""
+    def run(loss_fn):
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref_loss, ref_grads = run(reference)
+    for chunk in (None, 1, 3):
+        loss, grads = run(lambda: chunked(chunk))
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5, msg=f"{name}, chunks of {chunk}")

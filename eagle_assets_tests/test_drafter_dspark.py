@@ -27,7 +27,7 @@ from eagle_assets.drafter.dspark.family import FAMILY as DSPARK
 from eagle_assets.drafter.dspark.model import DSparkConfig, DSparkDraftModel, dspark_loss
 from eagle_assets.drafter.family import family_for, family_of_checkpoint
 from eagle_assets_tests.real_sglang import STUB_DIR, sglang_env
-from eagle_assets_tests.test_drafter_dflash import TARGET, H, V, _qc_rows
+from eagle_assets_tests.test_drafter_dflash import TARGET, H, V, _qc_rows, assert_chunks_match, masked_batch
 
 GAMMA = 4
 
@@ -79,13 +79,9 @@ def _brute_loss(model, aux, ids, mask, target_hidden):
 
 def test_the_batched_objective_equals_a_slot_by_slot_computation():
     model = _draft()
-    gen = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, V - 1, (2, 13), generator=gen)
-    mask = torch.zeros(2, 13, dtype=torch.long)
-    mask[0, 3:] = 1
-    mask[1, 2:7] = 1
-    mask[1, 8:] = 1  # a hole ends every block that reaches it
-    aux, target_hidden = torch.randn(2, 13, 2 * H, generator=gen), torch.randn(2, 13, H, generator=gen)
+    # a hole in row 1 ends every block that reaches it
+    ids, mask, aux, target_hidden = masked_batch(2, 13, ((slice(3, None),), (slice(2, 7), slice(8, None))),
+                                                 (2 * H, H))
     anchors, keep = anchors_of(mask)
     loss, per_slot = dspark_loss(model, aux, ids, mask, anchors, keep, target_hidden)
     assert loss.item() == pytest.approx(_brute_loss(model, aux, ids, mask, target_hidden).item(), rel=1e-5)
@@ -231,4 +227,26 @@ def test_the_sampled_walk_verifies_no_draft_past_the_block(target8):
     vocab = draft_vocab_from_arrays(np.zeros(v, dtype=np.int64), np.ones(v, dtype=bool))
     row = (np.arange(5, 25, dtype=np.int64), np.r_[np.zeros(6), np.ones(14)].astype(np.int8))
     chains = chain_probabilities(target, model, vocab, [row], k=5, temperature=1.0)
-    assert chains.limits.max() == 3 and (chains.probs[:, 3:] == 0).all()
+    assert chains.limits.max() == 3 and (chains.probs[..., 3:] == 0).all()
+
+
+def test_data_parallel_shards_add_up_to_one_process_on_the_blocks_it_drew(monkeypatch):
+    """DSpark under torchrun (see the DFlash test): its cumulative slot weights, summed over the ranks, normalize
+    each rank's share of the loss over the blocks drawn once for the global batch."""
+    from eagle_assets_tests.test_drafter_dflash import shards_add_up
+
+    hidden = torch.randn(5, 16, H, generator=torch.Generator().manual_seed(5))
+    keep = shards_add_up(DSPARK, _draft(), monkeypatch, {"target_hidden": hidden})
+    assert keep.sum(1).tolist() == [5, 5, 5, 5, 3]
+
+
+def test_the_chunked_objective_gives_the_unchunked_loss_and_gradients():
+    """dspark_loss's objective in chunks of 1 and 3 blocks equals it in one chunk and the autograd slot-by-slot
+    objective: the loss and every parameter's gradient (the Markov head's and the confidence head's included)."""
+    model = _draft()
+    ids, mask, aux, target_hidden = masked_batch(5, 12, ((slice(3, None),), (slice(2, 6), slice(7, None))),
+                                                 (2 * H, H))
+    anchors, keep = anchors_of(mask)
+    assert_chunks_match(model, lambda: _brute_loss(model, aux, ids, mask, target_hidden),
+                        lambda chunk: dspark_loss(model, aux, ids, mask, anchors, keep, target_hidden,
+                                                  chunk_blocks=chunk)[0])

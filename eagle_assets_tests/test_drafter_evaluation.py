@@ -75,3 +75,40 @@ def test_thinking_modes_of_turn_rows_are_grouped_and_reported_beside_the_mean():
     assert check.passed  # the level is the mean held-out tau's; the split is reported beside it
     assert "by thinking mode: on 5.900" in check.description and "off 3.100" in check.description
     assert check.metadata["tau_by_thinking"].value["off"]["tau"] == 3.1
+
+
+def test_the_comparison_names_the_drafter_the_measurements_support_and_says_when_the_lead_is_noise():
+    """``drafter.evaluation.comparison``: the highest mean greedy tau over the columns every drafter was measured on
+    (a sampled column and one only some have are left out), the margin to the next, and whether their held-out
+    intervals overlap; each column's best in bold."""
+    from eagle_assets.drafter.evaluation.comparison import ComparedDrafter, comparison_markdown, supported
+    from eagle_assets.drafter.evaluation.suites import EvaluationReport
+
+    def drafter(label, held, ci, words, sampled=None, extra=None):
+        records = [{"suite": "heldout", "thinking": "default", "temperature": 0.0, "k": 7, "tau": held,
+                    "ci_low": ci[0], "ci_high": ci[1], "rows": 30},
+                   {"suite": "words", "thinking": "on", "temperature": 0.0, "k": 7, "tau": words, "ci_low": 1.0,
+                    "ci_high": 9.0, "rows": 12},
+                   {"suite": "words", "thinking": "on", "temperature": 0.0, "k": 3, "tau": 9.0, "ci_low": 1.0,
+                    "ci_high": 9.0, "rows": 12}]
+        if sampled is not None:
+            records.append({**records[1], "temperature": 1.0, "tau": sampled})
+        if extra is not None:
+            records.append({**records[1], "suite": "only_here", "tau": extra})
+        report = EvaluationReport(records, [], {}, {}, 0)
+        return ComparedDrafter(label, f"{label} arch", "Cls", 10, 1.5, "/ckpt", report)
+
+    a = drafter("a", 5.0, (4.8, 5.2), 3.0, sampled=9.0, extra=9.0)
+    b = drafter("b", 5.1, (4.9, 5.3), 3.1)
+    c = drafter("c", 2.0, (1.9, 2.1), 1.0, sampled=1.0)
+    best, why = supported([a, b, c], 7)
+    assert best == "b" and why.startswith("b: mean greedy tau 4.100 at k=7 over heldout/default, words/on, +0.100 "
+                                          "over a (4.000)") and "intervals overlap" in why
+    best, why = supported([a, c], 7)
+    assert best == "a" and "+2.500 over c" in why and "overlap" not in why
+    md = comparison_markdown([a, b, c], 7)
+    # columns: held-out first, then suites by name, greedy before sampled
+    assert "| heldout / default / greedy | only_here / on / greedy | words / on / greedy | words / on / T=1 |" in md
+    assert "| b | b arch | Cls | 10 | 1.5 | **5.100 (4.90-5.30)** | - | **3.100** | - |" in md
+    assert "| a | a arch | Cls | 10 | 1.5 | 5.000 (4.80-5.20) | **9.000** | 3.000 | **9.000** |" in md
+    assert supported([], 7) == (None, "no greedy column was measured for every drafter")

@@ -166,6 +166,56 @@ def test_served_training_gives_the_local_drafter(target8, served, rows, tmp_path
     assert all(torch.equal(c[n], b[n]) for n in b) and again.skip_reasons == {}
 
 
+def test_a_dflash_block_drafter_trains_on_five_served_layers_as_on_local_ones(target8, rows, tmp_path, monkeypatch):
+    """A block drafter on served features: five target layers (capture ids [1, 3, 4, 5, 6], K != 3) on a server
+    launched with the flag ``AuxCapture.for_target`` derives for them (``0 2 3 4 5`` under Qwen3's ``+ 1`` rule),
+    its aux rows equal to the target's own hidden states at those layers, and a DFlash draft (the target's LM head
+    from safetensors, without building the target: the demo target ties it to the embedding) trained on them ends
+    with the weights, step losses and validation loss of the local run."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle_assets.drafter.family import DraftArchitecture
+    from eagle_assets.drafter.features.served_client import ServedFeatureSource
+    from eagle_assets.serving.aux_capture import AuxCapture
+
+    train_rows, validation = rows
+    config = json.loads((target8 / "config.json").read_text())
+    vocab_size, capture = int(config["vocab_size"]), [1, 3, 4, 5, 6]
+    flag = AuxCapture.for_target(config, capture).layer_ids
+    assert flag == (0, 2, 3, 4, 5)
+    cfg = _config(epochs=1, aux_layer_ids=tuple(capture), drafter=DraftArchitecture("dflash", block_size=4))
+    vocab = _vocab(train_rows, vocab_size)
+    local = train_drafter(target8, train_rows, vocab, cfg, tmp_path / "local", validation_rows=validation[:1])
+    with serve_in_thread(str(target8), enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
+                         return_aux_hidden_state_layer_ids=list(flag)) as server:
+        spec = FeaturesSpec(source="served", url=server.url, teacher="topk", top_k=vocab_size, cache="memory")
+        source = ServedFeatureSource(target8, spec, capture_ids=capture)
+        source.check_server()
+        ids, mask = train_rows[0]
+        got = source.fetch_row("r0", ids, mask)
+        target = AutoModelForCausalLM.from_pretrained(str(target8), dtype=torch.float32).eval()
+        with torch.no_grad():
+            states = target(torch.from_numpy(ids)[None], output_hidden_states=True).hidden_states
+        torch.testing.assert_close(got.aux_hidden, torch.cat([states[c][0] for c in capture], -1), atol=1e-4,
+                                   rtol=0)
+
+        def no_target(_dir):
+            raise AssertionError("the served path loaded the target model")
+
+        monkeypatch.setattr(train_module, "load_target", no_target)
+        remote = train_drafter(target8, train_rows, vocab, cfg, tmp_path / "served", validation_rows=validation[:1],
+                               features=spec)
+    assert remote.aux_capture_ids == local.aux_capture_ids == capture
+    assert [s.supervised for s in remote.steps] == [s.supervised for s in local.steps]
+    np.testing.assert_allclose([s.loss for s in remote.steps], [s.loss for s in local.steps], rtol=1e-4)
+    assert remote.curve[0].val_loss == pytest.approx(local.curve[0].val_loss, rel=1e-4)
+    a = load_file(str(tmp_path / "local" / "model.safetensors"))
+    b = load_file(str(tmp_path / "served" / "model.safetensors"))
+    assert a.keys() == b.keys() and a["fc.weight"].shape[1] == 5 * config["hidden_size"]
+    for name, w in a.items():
+        torch.testing.assert_close(b[name], w, atol=5e-4, rtol=0, msg=name)
+
+
 def _submitted(url: str) -> int:
     with urllib.request.urlopen(url + "/server_info", timeout=30) as resp:
         return int(json.loads(resp.read())["engine"]["requests_submitted"])

@@ -5,6 +5,7 @@
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
@@ -93,14 +94,49 @@ def training_mix(context: dg.AssetExecutionContext,
     })
 
 
-def _train(context, catalog, model_dir, out, features, rows, validation, vocab, vocab_dir):
-    """Train the drafter (inline, or data-parallel under torchrun through Dagster Pipes) on ``training.threads``
-    threads; the ``TrainResult``. The training state lives beside the checkpoint: a run killed mid-training goes on
-    from its last saved step and ends with the weights an unbroken run would have."""
+@dataclass
+class TrainingInputs:
+    """What every drafter of a catalog trains and is measured on: the partitions that passed QC (``keys``), the
+    draft vocab and its folder, the training mix's rows and the validation and test rows (``(sample_id, input_ids,
+    loss_mask, partition)``; validation and test sorted by partition and id: the bootstrap resamples by position)."""
+
+    keys: list[str]
+    vocab: Any
+    vocab_dir: Any
+    rows: list
+    validation: list
+    held: list
+
+
+def training_inputs(layout, catalog) -> TrainingInputs:
+    """The :class:`TrainingInputs` stored under ``layout`` for ``catalog``.
+
+    Raises:
+        dg.Failure: the training mix cannot be read (``MixError``: materialize ``training_mix``).
+    """
+    keys, vocab, vocab_dir = stored_draft_vocab(layout)
+    try:
+        rows = mixed_training_rows(layout, catalog, keys)
+    except MixError as exc:
+        raise dg.Failure(description=str(exc)) from exc
+    # Shard order is the order replies came back from the server, which timing decides; the bootstrap intervals
+    # resample rows by position, so they are computed over rows in a fixed order.
+    validation = sorted(load_split_rows(layout, catalog, keys, "validation"), key=lambda r: (r[3], r[0]))
+    held = sorted(load_split_rows(layout, catalog, keys, "test"), key=lambda r: (r[3], r[0]))
+    return TrainingInputs(keys, vocab, vocab_dir, rows, validation, held)
+
+
+def train_step(context, t, model_dir, out, features, inputs: TrainingInputs):
+    """Train the drafter of the training section ``t`` (inline, or data-parallel under torchrun through Dagster
+    Pipes) on ``t.threads`` threads into ``out/checkpoint``; the ``TrainResult``. The training state lives beside the
+    checkpoint (``out/train_state``): a run killed mid-training goes on from its last saved step and ends with the
+    weights an unbroken run would have."""
     from eagle_assets.drafter.training.loop import train_drafter
     from eagle_assets.drafter.training.recipe import config_from_catalog
 
-    t = catalog.training
+    rows = [(i, m) for _s, i, m, _k in inputs.rows]
+    validation = [(i, m) for _s, i, m, _k in inputs.validation]
+    vocab, vocab_dir = inputs.vocab, inputs.vocab_dir
     config = config_from_catalog(t)
     with torch_threads(t.threads):
         if t.launcher == "torchrun":
@@ -174,21 +210,14 @@ def train_and_evaluate(context: dg.AssetExecutionContext, settings: PipelineSett
     (``drafter_checkpoint`` runs it inside ``assets.locking.stage_writer``, which makes that a ``dg.Failure``)."""
     from eagle_assets.drafter.evaluation.heldout import acceptance_png
     from eagle_assets.drafter.evaluation.verdict import evaluate_checkpoint
-    from eagle_assets.drafter.family import family_of_checkpoint
+    from eagle_assets.drafter.family import family_for, family_of_checkpoint
     from eagle_assets.drafter.features.source import ServedFeatures, resolve_features
     from eagle_assets.drafter.training.learning_curve import curve_png
 
     catalog, layout = settings.catalog(), settings.layout()
     t = catalog.training
-    keys, vocab, vocab_dir = stored_draft_vocab(layout)
-    try:
-        rows = mixed_training_rows(layout, catalog, keys)
-    except MixError as exc:
-        raise dg.Failure(description=str(exc)) from exc
-    # Shard order is the order replies came back from the server, which timing decides; the bootstrap intervals
-    # resample rows by position, so they are computed over rows in a fixed order.
-    validation = sorted(load_split_rows(layout, catalog, keys, "validation"), key=lambda r: (r[3], r[0]))
-    held = sorted(load_split_rows(layout, catalog, keys, "test"), key=lambda r: (r[3], r[0]))
+    inputs = training_inputs(layout, catalog)
+    keys, vocab, rows, validation, held = inputs.keys, inputs.vocab, inputs.rows, inputs.validation, inputs.held
     model_dir = target.resolve()
     out = layout.stage_dir("drafter_checkpoint")
     for sub in ("checkpoint", "train_state", "train_inputs", "features"):
@@ -199,15 +228,20 @@ def train_and_evaluate(context: dg.AssetExecutionContext, settings: PipelineSett
     # features.url, else the server resource's, launched with the capture flags)
     features = resolve_features(t.features, model_dir, out / "features", t.aux_layer_ids, t.max_length,
                                 lambda capture: sglang.base_urls(str(model_dir), aux_capture=capture),
-                                sglang.api_key_env)
-    result = _train(context, catalog, model_dir, out, features, [(i, m) for _s, i, m, _k in rows],
-                    [(i, m) for _s, i, m, _k in validation], vocab, vocab_dir)
+                                sglang.api_key_env,
+                                lambda layers: family_for(t.drafter.architecture).capture_ids(layers, None, t.drafter))
+    result = train_step(context, t, model_dir, out, features, inputs)
     write_provenance(context, settings, result.checkpoint_dir, fallback_graph=full_asset_graph)
     write_json_atomic(result.to_dict(), out / "training_metrics.json")
     best = result.best_step if result.best_step >= 0 else (result.curve[-1].step if result.curve else None)
     png = curve_png(result.curve, result.steps, best_step=best)
     write_bytes_atomic(png, out / "learning_curve.png")
-    yield dg.MaterializeResult(metadata=_training_metadata(result, png, len(rows), len(held), keys))
+    metadata = _training_metadata(result, png, len(rows), len(held), keys)
+    if t.drafter.architecture == "auto":  # what auto chose for this target, and why
+        from transformers import AutoConfig
+
+        metadata["drafter_choice"] = family_for("auto").auto_reason(AutoConfig.from_pretrained(model_dir))
+    yield dg.MaterializeResult(metadata=metadata)
     yield _export_check(result.checkpoint_dir)
     # served: the target does not fit here; its config and embedding only, every feature, greedy id and re-run a
     # request to the features server(s)

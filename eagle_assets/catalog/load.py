@@ -73,6 +73,14 @@ class Catalog(StrictModel):
                              "rename the suite or the dataset")
         return self
 
+    @model_validator(mode="after")
+    def _compared_drafters_are_measured(self) -> Catalog:
+        if self.training.compare and (self.evaluation is None or self.training.features.source == "served"):
+            raise ValueError("training.compare measures each drafter with the evaluation section on the target run "
+                             "here: keep an evaluation section (not null) and features: local, or remove "
+                             "training.compare")
+        return self
+
     @property
     def path(self) -> Path | None:
         """The catalog file this was loaded from."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from eagle_assets.catalog.base import StrictModel
 from eagle_assets.catalog.partitions import SourceSpec, check_http_urls
@@ -168,6 +168,15 @@ class DrafterSpec(StrictModel):
         return self
 
 
+class ComparedDrafter(DrafterSpec):
+    """One entry of ``training.compare``: a drafter trained beside ``training.drafter`` from the same rows, mix,
+    draft vocab, features and recipe (the ``drafter_comparison`` asset), with the fields of ``training.drafter``
+    and ``aux_layer_ids`` (null = ``training.aux_layer_ids``). ``architecture: auto`` is refused: an entry names
+    what it measures."""
+
+    aux_layer_ids: list[int] | None = None
+
+
 class TrainingSpec(StrictModel):
     """Drafter training settings (EAGLE-3 defaults: 7 TTT steps, 32k draft vocab).
 
@@ -215,6 +224,9 @@ class TrainingSpec(StrictModel):
     # target features the drafter reads, capture numbering (c = output of target layer c - 1); declared after
     # drafter: how many a family takes is checked against it
     aux_layer_ids: list[int] | None = None
+    # drafters trained beside `drafter` from the same rows and recipe, measured side by side on the same held-out
+    # rows and suites (the drafter_comparison asset; docs/drafters.md): {label: drafter fields + aux_layer_ids}
+    compare: dict[str, ComparedDrafter] = Field(default_factory=dict)
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -226,16 +238,53 @@ class TrainingSpec(StrictModel):
                                  "or distinct capture ids >= 1 (c = the output of target layer c - 1)")
         elif v is not None and (len(v) != 3 or any(i < 0 for i in v)):
             raise ValueError("aux_layer_ids must be null (SGLang default [2, L//2, L-3]) or three non-negative "
-                             "layer ids")
+                             "layer ids (an EAGLE-3 drafter reads three target layers)")
         return v
 
     @model_validator(mode="after")
-    def _dflash_runs_inline_on_local_features(self) -> TrainingSpec:
-        if self.drafter.architecture in BLOCK_DRAFTERS and (self.features.source == "served"
-                                                            or self.launcher == "torchrun"):
-            raise ValueError(f"a {self.drafter.architecture} drafter trains with features: local and launcher: "
-                             "inline for now (its served features and data-parallel loss are not built)")
+    def _dspark_trains_on_local_features(self) -> TrainingSpec:
+        # Block drafters train on served features and under torchrun like EAGLE-3, except DSpark on served ones:
+        # its L1 term reads the target's final hidden state, which no served reply carries.
+        if self.drafter.architecture == "dspark" and self.features.source == "served":
+            raise ValueError("a dspark drafter trains with features: local: its L1 term compares the draft with the "
+                             "target's softmax computed from the target's post-norm final hidden state "
+                             "(dspark.model.dspark_loss), and SGLang's aux-capture reply carries only the captured "
+                             "layers' inputs (capture ids <= L - 1, before the final norm) and top-K "
+                             "log-probabilities, never that state; use features: local for dspark, or train "
+                             "architecture: dflash (hard labels and target layers only) on served features")
         return self
+
+    @model_validator(mode="after")
+    def _compared_drafters_train(self) -> TrainingSpec:
+        for label in self.compare:
+            if not label.replace("_", "").replace("-", "").replace(".", "").isalnum():
+                raise ValueError(f"training.compare label {label!r} names a folder: use letters, digits, '-', '_' "
+                                 "and '.' only")
+            if self.compare[label].architecture == "auto":
+                raise ValueError(f"training.compare.{label}: architecture auto is what training.drafter resolves; "
+                                 "name the architecture this entry measures (llama, mla, dflash or dspark)")
+            try:
+                self.for_compared(label)
+            except ValidationError as exc:
+                problems = "; ".join(e["msg"] for e in exc.errors())
+                raise ValueError(f"training.compare.{label} does not train with this training section: "
+                                 f"{problems}") from None
+        return self
+
+    def for_compared(self, label: str) -> TrainingSpec:
+        """This training section with ``training.compare[label]`` as its drafter (and its ``aux_layer_ids`` when
+        set), every other setting the same: what ``drafter_comparison`` trains that entry with.
+
+        Raises:
+            KeyError: no such entry.
+            pydantic.ValidationError: the entry does not fit this section (e.g. EAGLE-3 settings on a block
+                drafter); the catalog refuses such an entry at load.
+        """
+        entry = self.compare[label].model_dump()
+        aux = entry.pop("aux_layer_ids")
+        fields = self.model_dump()
+        fields.update(drafter=entry, compare={}, aux_layer_ids=aux if aux is not None else self.aux_layer_ids)
+        return TrainingSpec.model_validate(fields)
 
     @model_validator(mode="after")
     def _run_length(self) -> TrainingSpec:

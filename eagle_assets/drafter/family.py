@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -85,6 +85,16 @@ class DraftModel(Protocol):
         """int64 ``[T, k]``: the drafts proposed after every position of one row, from the target's aux states
         ``[1, T, A]`` and the row's ids ``[T]`` (row ``p`` drafts tokens ``p + 2 .. p + k + 1``)."""
 
+    def sample_drafts(self, aux: Any, ids: Any, k: int, temperature: float, top_k: int, samples: int,
+                      generator: Any) -> tuple[np.ndarray, np.ndarray] | None:
+        """OPTIONAL (the evaluation looks it up with ``getattr``): the drafts SGLang proposes for a request sampled
+        at ``temperature`` > 0 when they are not the argmax chain. ``samples`` blocks drawn after every position
+        with the CPU ``generator``: ``(tokens int64 [T, samples, k], q float64 [T, samples, k])``, row ``p`` as in
+        :meth:`draft_chain` (-1 where nothing is drafted), ``q`` the draft probability of each drafted token (what
+        SGLang's rejection sampling divides by). None, or no such method, means the drafts are point masses at
+        this sampling (:meth:`draft_chain` at every temperature: EAGLE-3 at ``--speculative-eagle-topk 1``,
+        DFlash) and are verified with the target's probability of each draft. DSpark defines it."""
+
     def eval(self) -> Any: ...
 
     def train(self, mode: bool = True) -> Any: ...
@@ -102,6 +112,9 @@ class TrainBatch:
         draft_token_ids: int64 ``[D]`` the draft vocab's target ids.
         target_hidden: float32 ``[b, T, H]`` the target's post-norm final hidden (its LM head's input) at every
             teacher position (a position whose next token is supervised), zeros elsewhere.
+        anchors: block families: ``(anchors int64 [b, N], keep bool [b, N])`` of these rows, drawn once over the
+            whole global batch by the family's ``draw_anchors`` (so a data-parallel rank trains its rows on the
+            blocks one process would); None = the family draws them from ``loss_mask`` itself.
     """
 
     aux: Any
@@ -110,6 +123,7 @@ class TrainBatch:
     supervision: Any
     draft_token_ids: Any
     target_hidden: Any = None
+    anchors: Any = None
 
 
 @dataclass(frozen=True)
@@ -131,14 +145,24 @@ class DraftFamily:
         loss_steps: ``(config, ttt_steps)`` -> how many per-step figures ``batch_loss`` reports (EAGLE-3: the
             recipe's ``ttt_steps``; DFlash: block slots 1..B-1).
         batch_loss: ``(model, TrainBatch, step_weights, normalizer=None)`` ->
-            ``(loss, [(positions, summed CE, correct argmaxes) per step])``.
+            ``(loss, [(positions, summed CE, correct argmaxes) per step])``; ``normalizer``: per step the global
+            batch's count from ``loss_counts`` summed over the ranks (a data-parallel rank's loss is then its share
+            of the one-process loss of the global batch).
         export: ``(model, target_config, draft_vocab, aux_capture_ids, out_dir, dtype=...)`` -> the checkpoint
             report.
         validate: ``(checkpoint_dir, target_config=None)`` -> the checkpoint report; raises on a broken export.
         load: ``(checkpoint_dir, target=None)`` -> ``(DraftModel in eval mode, DraftVocab)``.
         serve_flags: ``(checkpoint_dir, k)`` -> the SGLang ``launch_server`` flags that serve it.
         wants_target_hidden: its loss reads ``TrainBatch.target_hidden`` (built only then: a ``[b, T, H]`` tensor
-            per step).
+            per step; local features only: a served target sends no final hidden state).
+        loss_counts: ``(TrainBatch, steps)`` -> per step the positions this batch's loss is normalized by, which a
+            data-parallel run sums over the ranks into ``batch_loss``'s ``normalizer``; None = the TTT counts
+            (teacher positions ``q > i`` at step ``i``, :func:`ttt_counts`).
+        draw_anchors: block families: ``(loss_mask bool [B, S], generator=None)`` -> ``(anchors, keep)``
+            ``[B, N]``; the training loop calls it once per step over the whole global batch (every rank, the same
+            draw from torch's global generator) and hands each rank its rows (``TrainBatch.anchors``).
+        auto_reason: ``(target_config)`` -> why ``architecture: auto`` trains what it does for that target (the
+            family that lists ``auto`` only).
     """
 
     name: str
@@ -154,6 +178,29 @@ class DraftFamily:
     load: Callable[..., Any]
     serve_flags: Callable[..., list[str]]
     wants_target_hidden: bool = False
+    loss_counts: Callable[[TrainBatch, int], list[int]] | None = None
+    draw_anchors: Callable[..., Any] | None = None
+    auto_reason: Callable[[Any], str] | None = None
+
+
+def ttt_counts(batch: TrainBatch, steps: int) -> list[int]:
+    """Per TTT step ``i`` the teacher positions ``q > i`` of ``batch`` (the rows step ``i`` trains): what EAGLE-3's
+    ``ttt_loss`` divides step ``i``'s summed cross-entropy by."""
+    position = batch.supervision.position
+    return [int((position > i).sum()) for i in range(steps)]
+
+
+def block_rows(anchors: tuple[Any, Any], rows: Sequence[int]) -> tuple[Any, Any]:
+    """The blocks of ``rows`` (indices into the batch a family's ``draw_anchors`` drew for): ``(anchors int64
+    [b, N'], keep bool [b, N'])``, without the columns none of them keeps (a dropped block is padding: its output
+    and weight are zero; with every row of the batch no column is dropped)."""
+    import torch
+
+    anchors_all, keep_all = anchors
+    index = torch.as_tensor(list(rows), dtype=torch.long)
+    a, keep = anchors_all[index], keep_all[index]
+    used = keep.any(0)
+    return (a[:, used], keep[:, used]) if bool(used.any()) else (a[:, :1], keep[:, :1])
 
 
 class UnknownFamilyError(ValueError):

@@ -22,6 +22,14 @@ Source: SGLang 0.5.23 (``pip download sglang==0.5.23``, files under ``python/sgl
   * ``gpt_oss`` (``gpt_oss.py``): ``list(ids)`` when ``max(ids) == num_hidden_layers``, else ``+ 1``.
   * no ids: ``[2, L // 2, L - 3]`` capture ids for all three.
 
+  Any number of ids is taken (none of these hooks, nor ``logits_processor.py::_check_aux_hidden_states``, which
+  counts the captured layers against ``len(layers_to_capture)``, assumes three): a block drafter's K target layers
+  come back as ``[T, K * H]`` under the same rule. ``--speculative-algorithm DFLASH`` / ``DSPARK`` instead of
+  EAGLE3 route the ids to ``set_dflash_layers_to_capture`` (``set_dspark_layers_to_capture`` where a model has
+  one), which is ``[i + 1 for i in ids]`` in every class above, DeepSeek's and gpt-oss's included, and which needs
+  the flag (no default): :func:`capture_rule`. This project launches with EAGLE3 and derives the flag from the
+  class's EAGLE3 rule (:func:`capture_flag_ids`), which captures the same layers.
+
   A capture id ``c`` is the INPUT of decoder layer ``c`` (the residual stream after layer ``c - 1``): the models
   capture in ``attn_boundary.prepare`` before layer ``c`` runs (``layers/layer_boundary/stage.py``), so ``c = 0`` is
   the embedding output and ``c = L`` does not exist (``layers/logits_processor.py::_check_aux_hidden_states`` fails
@@ -85,6 +93,14 @@ def capture_convention(config: Any) -> str:
             if str(arch).startswith(("DeepseekV2", "DeepseekV3", "KimiK25")):
                 return "deepseek"
     return "plus_one"
+
+
+def capture_rule(config: Any, method: str | None = "eagle3") -> str:
+    """The layer-id rule of a server in capture mode: ``plus_one`` when it was launched with
+    ``--speculative-algorithm DFLASH`` or ``DSPARK`` (its ``/server_info`` ``aux_hidden_state_capture``: the ids go
+    to ``set_dflash_layers_to_capture``, ``+ 1`` in every class), else the target's EAGLE3 rule
+    (:func:`capture_convention`)."""
+    return "plus_one" if str(method or "").lower() in ("dflash", "dspark") else capture_convention(config)
 
 
 def num_layers_of(config: Any) -> int:

@@ -16,6 +16,19 @@ gives the confidence of each draft (the head is built: ``SGLANG_RAGGED_VERIFY_MO
 case the blocks (target ids), their logits, the confidences (DSpark) and the load report (parameters
 ``load_weights`` wrote / left untouched, tensors consumed).
 
+Sampled DSpark (SGLang's default, ``SGLANG_DSPARK_USE_GREEDY_DRAFT`` unset), two optional keys of a case:
+
+- ``"sampled": {"position": p, "temperature": T, "draws": R, "top_ks": [...]}``: ``draft_markov_block`` at step
+  temperature ``T`` on ``R`` copies of the block of ``p`` (each row its own Philox noise) gives ``R`` drawn blocks;
+  ``dspark_verify._draft_probs`` (``SoftmaxTemp`` of the kept ``corrected_logits``) gives the ``q`` the verifier
+  reads, at every drawn token; ``resolve_draft_params`` gives the step temperature of a request at each top_k.
+- ``"verify": {"inputs": npz with candidates [R, g + 1] int64 ([anchor | drafts]), target_logits [R * (g + 1), V]
+  float32, step_logits [R, g, V] float32; "temperature", "top_k", "top_p", "seed"}``: SGLang's
+  ``dspark_verify.accept_draft_tokens`` with its default arguments (no block verification, no block-wise
+  rejection) on those blocks, coins from torch's generator seeded with ``seed``: the accepted count of each row.
+  The Triton rejection kernel (``reject_sampling.py``) runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``,
+  set before anything imports triton).
+
 What is SGLang's and what is a reference here:
 
 - SGLang's: the class built from the checkpoint's ``config.json`` through transformers' ``AutoConfig`` as SGLang's
@@ -37,8 +50,10 @@ import json
 import os
 import sys
 
-import numpy as np
-import torch
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any import of triton: the rejection kernel runs on CPU
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 
 def _load(checkpoint):
@@ -124,6 +139,72 @@ def _dspark_block(model, anchor_token, hidden, embed, lm_head):
     return tokens[0].tolist(), step_logits[0].tolist(), confidence[0].tolist()
 
 
+def _dspark_sampled(model, anchor_token, hidden, spec):
+    """SGLang's sampled DSpark draft of one block, ``spec["draws"]`` times (module docstring)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.speculative.dspark_components.dspark_draft import (
+        DraftBlockResult,
+        DraftNoise,
+        draft_markov_block,
+        resolve_draft_params,
+    )
+    from sglang.srt.speculative.dspark_components.dspark_verify import _draft_probs
+
+    class NoSync:
+        def sync(self, site, values):
+            return values
+
+    r, temperature = int(spec["draws"]), float(spec["temperature"])
+    g = hidden.shape[0]
+    base, _features = model.compute_base_logits(hidden)
+    base = base.view(1, g, -1).expand(r, -1, -1).contiguous()
+    temps = torch.full((r,), temperature)
+    tokens, step_logits = draft_markov_block(
+        markov_head=model.markov_head, base_logits=base, anchor_tokens=anchor_token.view(1).expand(r),
+        draft_hidden=hidden.view(1, g, -1).expand(r, -1, -1), step_temperatures=temps,
+        noise=DraftNoise(key=12345, offset=torch.zeros(1, dtype=torch.int64)), tp_sync=NoSync(), greedy_draft=False)
+    block = DraftBlockResult(draft_tokens=tokens, corrected_logits=step_logits, greedy_mask=torch.zeros(r, dtype=bool),
+                             temperatures=temps, greedy_draft=False)
+    q = _draft_probs(block, base.shape[-1], torch.device("cpu")).gather(2, tokens.unsqueeze(-1))[..., 0]
+    step_temperatures = {}
+    for top_k in spec.get("top_ks", []):
+        info = SimpleNamespace(temperatures=torch.tensor([[temperature]]), top_ks=torch.tensor([int(top_k)]))
+        step_temperatures[str(top_k)] = float(resolve_draft_params(sampling_info=info, bs=1,
+                                                                   device=torch.device("cpu")).step_temperatures[0])
+    return {"tokens": tokens.tolist(), "q": q.tolist(), "step_temperatures": step_temperatures}
+
+
+def _dspark_verify(spec):
+    """SGLang's default sampled DSpark accept (``accept_draft_tokens``) on given blocks (module docstring)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockResult
+    from sglang.srt.speculative.dspark_components.dspark_verify import accept_draft_tokens
+
+    data = np.load(spec["inputs"])
+    candidates = torch.from_numpy(data["candidates"]).long()
+    target_logits = torch.from_numpy(data["target_logits"]).float()
+    step_logits = torch.from_numpy(data["step_logits"]).float()
+    r, g = step_logits.shape[:2]
+    vocab = step_logits.shape[-1]
+    temperature, top_k, top_p = float(spec["temperature"]), int(spec["top_k"]), float(spec["top_p"])
+    top_k = top_k if top_k > 0 else 1 << 30  # SGLang's TOP_K_ALL for "no top_k"
+    temps = torch.full((r, 1), temperature)
+    info = SimpleNamespace(temperatures=temps, top_ks=torch.full((r,), top_k, dtype=torch.int32),
+                           top_ps=torch.full((r,), top_p), need_top_k_sampling=top_k < vocab,
+                           need_top_p_sampling=top_p < 1.0, is_all_greedy=False, is_any_greedy=False)
+    block = DraftBlockResult(draft_tokens=candidates[:, 1:], corrected_logits=step_logits,
+                             greedy_mask=torch.zeros(r, dtype=torch.bool), temperatures=temps.view(-1),
+                             greedy_draft=False)
+    torch.manual_seed(int(spec["seed"]))
+    correct_len, _bonus, _trim = accept_draft_tokens(
+        candidates=candidates, target_logits=target_logits, draft_block=block, sampling_info=info,
+        draft_input=SimpleNamespace(max_top_k=min(top_k, vocab), uniform_top_k_value=min(top_k, vocab)), gamma=g,
+        verify_num_draft_tokens=g + 1)
+    return {"accepted": correct_len.tolist()}
+
+
 def main(cases_path, out_path):
     # DSpark's confidence head is built only in a ragged verify mode; DFlash reads no such setting
     os.environ["SGLANG_RAGGED_VERIFY_MODE"] = "compact"
@@ -152,7 +233,15 @@ def main(cases_path, out_path):
                     got, lg = step.argmax(-1).tolist(), step.tolist()
                 blocks.append(got)
                 logits.append(lg)
-        results[case["name"]] = {"written": written, "untouched": untouched, **counts, "blocks": blocks,
+        extra = {}
+        with torch.no_grad():
+            if dspark and "sampled" in case:
+                p = case["sampled"]["position"]
+                out = _hidden(model, aux, ids, embed, p, mask_id, block)
+                extra["sampled"] = _dspark_sampled(model, ids[p + 1], out, case["sampled"])
+            if dspark and "verify" in case:
+                extra["verify"] = _dspark_verify(case["verify"])
+        results[case["name"]] = {**extra, "written": written, "untouched": untouched, **counts, "blocks": blocks,
                                  "logits": logits, "confidences": confidences, "mask_token_id": mask_id,
                                  "block_size": block,
                                  "target_layer_ids": list(parsed.target_layer_ids or [])}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from eagle_assets.drafter.dflash.export import export_checkpoint, load_drafter, serve_flags, validate_checkpoint
 from eagle_assets.drafter.dflash.model import (
     ARCHITECTURE,
@@ -79,18 +81,68 @@ def build_model(config: DFlashConfig, embed_weight, _draft_token_ids, lm_head_we
     return DFlashDraftModel(config, embed_weight, lm_head_weight)
 
 
-def batch_loss(model: DFlashDraftModel, batch: TrainBatch, _weights, normalizer=None):
-    """SpecForge 0.2.0's DFlash objective on the batch: every anchor of each row, or ``NUM_ANCHORS`` of them drawn
-    (torch's global generator) when a row has more, as SpecForge's ``num_anchors``.
+def draw_anchors(loss_mask: torch.Tensor, generator: torch.Generator | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks a step trains: every anchor of each row, or ``NUM_ANCHORS`` of them drawn (``generator``; None =
+    torch's global generator, which the training state saves) when some row has more, as SpecForge's
+    ``num_anchors`` (:func:`~eagle_assets.drafter.dflash.model.anchors_of`).
+
+    Args:
+        loss_mask: bool or 0/1 ``[B, S]``: the whole global batch's rows, right-padded (the loop calls this once per
+            step on every rank, then hands each rank its rows: ``drafter.family.block_rows``).
+    Returns:
+        ``(anchors int64 [B, N], keep bool [B, N])``.
+    Raises:
+        ValueError: no row has an anchor.
+    """
+    return anchors_of(loss_mask.long(), NUM_ANCHORS, generator)
+
+
+def batch_blocks(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss_mask int64 [b, T], anchors int64 [b, N], keep bool [b, N])`` of a batch: the anchors the loop drew
+    over the global batch (``batch.anchors``), else :func:`draw_anchors` of its own rows."""
+    mask = batch.loss_mask.long()
+    anchors, keep = batch.anchors if batch.anchors is not None else draw_anchors(mask)
+    return mask, anchors, keep
+
+
+def slot_counts(batch: TrainBatch, steps: int) -> list[int]:
+    """Per slot ``k = 1 .. steps`` (``steps = B - 1``, the family's ``loss_steps``) the blocks of ``batch`` whose
+    token at ``anchor + k`` is supervised: the weights of :func:`~eagle_assets.drafter.dflash.model.block_loss`
+    (0/1 without ``gamma``), whose sum it divides by.
 
     Raises:
-        ValueError: ``normalizer`` given (data-parallel DFlash training is not built: the catalog refuses it).
+        ValueError: ``batch.anchors`` is None and no row has an anchor.
     """
-    if normalizer is not None:
-        raise ValueError("DFlash training runs in one process (training.launcher: inline)")
-    mask = batch.loss_mask.long()
-    anchors, keep = anchors_of(mask, NUM_ANCHORS)
-    return block_loss(model, batch.aux, batch.ids, mask, anchors, keep)
+    mask, anchors, keep = batch_blocks(batch)
+    s = mask.shape[1]
+    pos = anchors.unsqueeze(-1) + torch.arange(1, steps + 1)  # [b, N, B - 1]
+    w = keep.unsqueeze(-1) & (pos < s) & mask.gather(1, pos.clamp(max=s - 1).flatten(1)).view(pos.shape).bool()
+    return [int(c) for c in w.sum((0, 1))]
+
+
+def batch_loss(model: DFlashDraftModel, batch: TrainBatch, _weights, normalizer=None):
+    """SpecForge 0.2.0's DFlash objective on the batch (:func:`~eagle_assets.drafter.dflash.model.block_loss`) over
+    ``batch.anchors`` (else :func:`draw_anchors` of its own rows).
+
+    Args:
+        normalizer: per slot ``k = 1 .. B-1`` the global batch's supervised slots (:func:`slot_counts` summed
+            over the data-parallel ranks); None = this batch's own. Given, the loss is this batch's weighted
+            cross-entropy sum over their total, so the ranks' losses add up to the one-process loss.
+    Returns:
+        ``(loss, per slot (weighted positions, summed weighted CE, correct argmaxes))``.
+    """
+    mask, anchors, keep = batch_blocks(batch)
+    total, per_slot = block_loss(model, batch.aux, batch.ids, mask, anchors, keep)
+    return rank_share(total, per_slot, normalizer), per_slot
+
+
+def rank_share(total: torch.Tensor, per_slot: list[tuple[int, float, int]], normalizer) -> torch.Tensor:
+    """``total`` (a weighted mean over this batch's 0/1-weighted slots) as a share of the global batch's mean:
+    times this batch's weight sum over the global one (``sum(normalizer)``)."""
+    if normalizer is None:
+        return total
+    return total * (sum(n for n, _, _ in per_slot) / max(1, sum(int(n) for n in normalizer)))
 
 
 FAMILY = DraftFamily(
@@ -106,4 +158,6 @@ FAMILY = DraftFamily(
     validate=validate_checkpoint,
     load=load_drafter,
     serve_flags=serve_flags,
+    loss_counts=slot_counts,
+    draw_anchors=draw_anchors,
 )

@@ -339,20 +339,71 @@ class DFlashDraftModel(nn.Module):
         return out
 
 
+# the objective runs over chunks of blocks of about this many logits each ([slots, V] float32: 256 MiB), so its
+# memory is bounded whatever the anchors per row (SpecForge 0.2.0 chunks its objective too: objective_chunk_blocks)
+OBJECTIVE_CHUNK_ELEMENTS = 2 ** 26
+
+
+def objective_chunks(blocks: int, block_size: int, vocab: int, chunk_blocks: int | None) -> list[slice]:
+    """Slices of ``blocks`` flattened blocks: ``chunk_blocks`` at a time, or as many as fit
+    :data:`OBJECTIVE_CHUNK_ELEMENTS` logits (at least one)."""
+    step = chunk_blocks or max(1, OBJECTIVE_CHUNK_ELEMENTS // (block_size * vocab))
+    return [slice(i, min(i + step, blocks)) for i in range(0, blocks, step)]
+
+
+class _ChunkedHeadCE(torch.autograd.Function):
+    """``sum(w * CE(hidden @ head.T, labels))`` over chunks of blocks, with the gradient for ``hidden`` computed in
+    the forward, chunk by chunk (``w * (softmax - onehot) @ head``): no ``[slots, V]`` tensor outlives its chunk and
+    none is recomputed in the backward. The head is the target's (frozen). Also returns, detached, each slot's CE
+    and whether its argmax is the label."""
+
+    @staticmethod
+    def forward(ctx, hidden, head, labels, w, chunks, want_grad):
+        m, bs, h = hidden.shape
+        ce, correct = hidden.new_empty(m, bs), torch.empty(m, bs, dtype=torch.bool)
+        grad = torch.empty_like(hidden) if want_grad else None
+        for c in chunks:
+            logits = hidden[c].reshape(-1, h) @ head.T
+            lab = labels[c].reshape(-1, 1)
+            correct[c] = (logits.argmax(-1, keepdim=True) == lab).view(-1, bs)
+            logp = logits.log_softmax(-1)
+            del logits
+            ce[c] = -logp.gather(1, lab).view(-1, bs)
+            if want_grad:  # d(w * CE)/d logits = w * (softmax - onehot), in place over log-probabilities
+                g = logp.exp_()
+                g.scatter_add_(1, lab, g.new_full(lab.shape, -1.0))
+                g.mul_(w[c].reshape(-1, 1))
+                grad[c] = (g @ head).view(-1, bs, h)
+            del logp
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(ce, correct)
+        return (ce * w).sum(), ce, correct
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_ce, _grad_correct):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_total, None, None, None, None, None
+
+
 def block_loss(model: DFlashDraftModel, aux: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor,
-               anchors: torch.Tensor, keep: torch.Tensor, gamma: float | None = None
-               ) -> tuple[torch.Tensor, list[tuple[int, float, int]]]:
+               anchors: torch.Tensor, keep: torch.Tensor, gamma: float | None = None,
+               chunk_blocks: int | None = None) -> tuple[torch.Tensor, list[tuple[int, float, int]]]:
     """SpecForge 0.2.0's DFlash objective on one batch (``loss_type: dflash``).
+
+    The blocks' draft forward runs once over every anchor; the vocab-sized part (LM head, cross-entropy and its
+    gradient) runs over chunks of blocks (:class:`_ChunkedHeadCE`), so its memory does not grow with the anchors.
 
     Args:
         aux / ids / anchors / keep: as :meth:`DFlashDraftModel.blocks`; ``loss_mask``: ``[b, S]`` 0/1.
         gamma: SpecForge's ``loss_decay_gamma``: weights times ``exp(-(k - 1) / gamma)``; None = no decay.
+        chunk_blocks: blocks per chunk of the objective; None = as many as fit :data:`OBJECTIVE_CHUNK_ELEMENTS`
+            logits. The loss and gradients do not depend on it (up to float rounding).
     Returns:
         ``(loss, per slot k = 1..B-1: (weighted positions, summed weighted CE, correct argmaxes))``; the loss is
         ``sum(w * CE) / sum(w)`` (0 with no gradient path when nothing is weighted).
     """
     b, s = ids.shape
-    bs = model.config.block_size
+    bs, v = model.config.block_size, model.config.vocab_size
     hidden = model.blocks(aux, ids, anchors, keep)  # [b, N, B, H]
     pos = anchors.unsqueeze(-1) + torch.arange(bs)  # [b, N, B]
     inside = pos < s
@@ -361,11 +412,12 @@ def block_loss(model: DFlashDraftModel, aux: torch.Tensor, ids: torch.Tensor, lo
     w = w * loss_mask.float().gather(1, pos.clamp(max=s - 1).view(b, -1)).view(pos.shape)
     if gamma is not None and gamma > 0:
         w = w * torch.exp(-(torch.arange(bs) - 1).clamp(min=0).float() / gamma)
-    logits = model.logits(hidden)
-    ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction="none").view(pos.shape)
-    total = (ce * w).sum() / w.sum().clamp(min=1e-12)
-    correct = (logits.argmax(-1) == labels) & (w > 0)
-    ce_w = (ce * w).detach()
+    scale = w / w.sum().clamp(min=1e-12)
+    m = b * anchors.shape[1]
+    total, ce, correct = _ChunkedHeadCE.apply(
+        hidden.reshape(m, bs, -1), model.lm_head_weight, labels.reshape(m, bs), scale.reshape(m, bs),
+        objective_chunks(m, bs, v, chunk_blocks), torch.is_grad_enabled() and hidden.requires_grad)
+    ce_w, correct = ce.view(pos.shape) * w, correct.view(pos.shape) & (w > 0)
     per_slot = [(int((w[..., k] > 0).sum()), float(ce_w[..., k].sum()), int(correct[..., k].sum()))
                 for k in range(1, bs)]
     return total, per_slot

@@ -8,10 +8,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from eagle_assets.drafter.dflash.export import export_checkpoint, load_drafter, validate_checkpoint
-from eagle_assets.drafter.dflash.family import capture_ids
+from eagle_assets.drafter.dflash.family import batch_blocks, capture_ids, draw_anchors, rank_share
 from eagle_assets.drafter.dflash.family import draft_config as dflash_draft_config
-from eagle_assets.drafter.dflash.model import NUM_ANCHORS, anchors_of
 from eagle_assets.drafter.dspark.model import ARCHITECTURE, DEFAULT_GAMMA, DSparkConfig, DSparkDraftModel, dspark_loss
 from eagle_assets.drafter.family import DraftArchitecture, DraftFamily, TrainBatch
 
@@ -29,17 +30,33 @@ def build_model(config: DSparkConfig, embed_weight, _draft_token_ids, lm_head_we
     return DSparkDraftModel(config, embed_weight, lm_head_weight)
 
 
-def batch_loss(model: DSparkDraftModel, batch: TrainBatch, _weights, normalizer=None):
-    """SpecForge 0.2.0's DSpark objective: every anchor of each row, or ``NUM_ANCHORS`` drawn when a row has more.
+def label_counts(batch: TrainBatch, steps: int) -> list[int]:
+    """Per slot ``k = 0 .. steps - 1`` (``steps = g``) the blocks of ``batch`` whose labels up to ``anchor + k + 1``
+    are all supervised: the cumulative 0/1 weights of :func:`~eagle_assets.drafter.dspark.model.dspark_loss`,
+    whose sum it divides by.
 
     Raises:
-        ValueError: ``normalizer`` given (DSpark trains in one process: the catalog refuses torchrun).
+        ValueError: ``batch.anchors`` is None and no row has an anchor.
     """
-    if normalizer is not None:
-        raise ValueError("DSpark training runs in one process (training.launcher: inline)")
-    mask = batch.loss_mask.long()
-    anchors, keep = anchors_of(mask, NUM_ANCHORS)
-    return dspark_loss(model, batch.aux, batch.ids, mask, anchors, keep, batch.target_hidden)
+    mask, anchors, keep = batch_blocks(batch)
+    s = mask.shape[1]
+    pos = anchors.unsqueeze(-1) + torch.arange(steps) + 1  # [b, N, g]
+    ok = keep.unsqueeze(-1) & (pos < s) & mask.gather(1, pos.clamp(max=s - 1).flatten(1)).view(pos.shape).bool()
+    return [int(c) for c in ok.long().cumprod(-1).sum((0, 1))]
+
+
+def batch_loss(model: DSparkDraftModel, batch: TrainBatch, _weights, normalizer=None):
+    """SpecForge 0.2.0's DSpark objective (:func:`~eagle_assets.drafter.dspark.model.dspark_loss`) over
+    ``batch.anchors`` (else every anchor of each row, or ``NUM_ANCHORS`` drawn when a row has more); its L1 teacher
+    is the target's final hidden state ``batch.target_hidden`` through the target's LM head.
+
+    Args:
+        normalizer: per slot the global batch's weighted blocks (:func:`label_counts` summed over the
+            data-parallel ranks); None = this batch's own (see ``dflash.family.batch_loss``).
+    """
+    mask, anchors, keep = batch_blocks(batch)
+    total, per_slot = dspark_loss(model, batch.aux, batch.ids, mask, anchors, keep, batch.target_hidden)
+    return rank_share(total, per_slot, normalizer), per_slot
 
 
 def serve_flags(checkpoint: str | Path, k: int) -> list[str]:
@@ -66,5 +83,7 @@ FAMILY = DraftFamily(
     load=partial(load_drafter, config_cls=DSparkConfig),
     serve_flags=serve_flags,
     wants_target_hidden=True,
+    loss_counts=label_counts,
+    draw_anchors=draw_anchors,
 )
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_assets.drafter.dflash.model import DFlashConfig, DFlashDraftModel
+from eagle_assets.drafter.dflash.model import DFlashConfig, DFlashDraftModel, objective_chunks
 
 ARCHITECTURE = "DSparkDraftModel"
 DEFAULT_GAMMA = 7  # SGLang 0.5.23's DEFAULT_DSPARK_GAMMA
@@ -148,21 +148,81 @@ class DSparkDraftModel(DFlashDraftModel):
                 out[start:start + anchors.shape[1], j] = prev.numpy()
         return out
 
+    def sample_drafts(self, aux: torch.Tensor, ids: torch.Tensor, k: int, temperature: float, top_k: int,
+                      samples: int, generator: torch.Generator) -> tuple[np.ndarray, np.ndarray] | None:
+        """``drafter.family.DraftModel.sample_drafts``: ``samples`` blocks per position drawn as SGLang 0.5.23's
+        default DSPARK draft draws them (``drafter.dspark.sampling.draw_blocks``: ``q_j = softmax(z_j / T)``,
+        the request's top_k / top_p not applied), or None when SGLang drafts this request by argmax (``top_k ==
+        1``: ``dspark_draft.resolve_draft_params``' greedy rows; :meth:`draft_chain` is then the draft)."""
+        if top_k == 1:
+            return None
+        from eagle_assets.drafter.dspark.sampling import draw_blocks
+
+        return draw_blocks(self, aux, ids, k, temperature, samples, generator)
+
+
+class _ChunkedDSparkHead(torch.autograd.Function):
+    """The vocab-sized part of the objective over chunks of blocks: ``z = hidden @ head.T + m1 @ w2.T`` (the LM head
+    plus the Markov bias, ``m1 = markov_w1(prev)``), ``sum(w * (CE_ALPHA CE(z, y) + L1_ALPHA |softmax(z) - p_t|_1))``
+    with ``p_t`` the softmax of the target's logits (``t_hidden @ head.T``), and the gradients for ``hidden``,
+    ``m1`` and ``w2`` computed in the forward, chunk by chunk: no ``[slots, V]`` tensor outlives its chunk and none
+    is recomputed in the backward. ``d/dz``: ``w (CE_ALPHA (p - onehot) + L1_ALPHA p (sgn - <sgn, p>))``,
+    ``sgn = sign(p - p_t)``. Also returns, detached, each slot's CE, L1 and whether its argmax is the label."""
+
+    @staticmethod
+    def forward(ctx, hidden, m1, w2, head, t_hidden, labels, w, chunks, want_grad):
+        m, g, h = hidden.shape
+        ce, l1 = hidden.new_empty(m, g), hidden.new_empty(m, g)
+        correct = torch.empty(m, g, dtype=torch.bool)
+        grads = (torch.empty_like(hidden), torch.empty_like(m1), torch.zeros_like(w2)) if want_grad else None
+        for c in chunks:
+            z = torch.addmm(m1[c].reshape(-1, m1.shape[-1]) @ w2.T, hidden[c].reshape(-1, h), head.T)
+            lab = labels[c].reshape(-1, 1)
+            correct[c] = (z.argmax(-1, keepdim=True) == lab).view(-1, g)
+            p = z.softmax(-1)
+            ce[c] = (z.logsumexp(-1, keepdim=True) - z.gather(1, lab)).view(-1, g)
+            del z
+            diff = p - (t_hidden[c].reshape(-1, h) @ head.T).softmax(-1)
+            l1[c] = diff.abs().sum(-1).view(-1, g)
+            if want_grad:
+                sgn = diff.sign_()
+                gz = sgn.sub_((sgn * p).sum(-1, keepdim=True)).mul_(p).mul_(L1_ALPHA)
+                gz.add_(p, alpha=CE_ALPHA).scatter_add_(1, lab, gz.new_full(lab.shape, -CE_ALPHA))
+                gz.mul_(w[c].reshape(-1, 1))
+                grads[0][c] = (gz @ head).view(-1, g, h)
+                grads[1][c] = (gz @ w2).view(-1, g, w2.shape[1])
+                grads[2].addmm_(gz.T, m1[c].reshape(-1, m1.shape[-1]))
+            del p, diff
+        ctx.save_for_backward(*(grads or ()))
+        ctx.mark_non_differentiable(ce, l1, correct)
+        return ((CE_ALPHA * ce + L1_ALPHA * l1) * w).sum(), ce, l1, correct
+
+    @staticmethod
+    def backward(ctx, grad_total, *_):
+        return (*(x * grad_total for x in ctx.saved_tensors), None, None, None, None, None, None)
+
 
 def dspark_loss(model: DSparkDraftModel, aux: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor,
-                anchors: torch.Tensor, keep: torch.Tensor, target_hidden: torch.Tensor
-                ) -> tuple[torch.Tensor, list[tuple[int, float, int]]]:
+                anchors: torch.Tensor, keep: torch.Tensor, target_hidden: torch.Tensor,
+                chunk_blocks: int | None = None) -> tuple[torch.Tensor, list[tuple[int, float, int]]]:
     """SpecForge 0.2.0's DSpark objective on one batch (module docstring; ``OnlineDSparkModel`` defaults).
+
+    The blocks' draft forward runs once over every anchor; the vocab-sized part (logits, CE, L1 and their
+    gradients) runs over chunks of blocks (:class:`_ChunkedDSparkHead`), so its memory does not grow with the
+    anchors; the confidence head's term is plain autograd.
 
     Args:
         aux / ids / anchors / keep: as :meth:`DFlashDraftModel.blocks`; ``loss_mask``: ``[b, S]`` 0/1.
         target_hidden: float32 ``[b, S, H]`` the target's post-norm final hidden (its LM head's input) at least
             at every position whose next token is supervised (other positions are never read).
+        chunk_blocks: blocks per chunk of the objective; None = as many as fit
+            :data:`~eagle_assets.drafter.dflash.model.OBJECTIVE_CHUNK_ELEMENTS` logits. The loss and gradients do
+            not depend on it (up to float rounding).
     Returns:
         ``(loss, per slot k = 0..g-1: (weighted positions, summed weighted CE, correct argmaxes))``.
     """
     b, s = ids.shape
-    g = model.config.block_size
+    g, n = model.config.block_size, anchors.shape[1]
     hidden = model.blocks(aux, ids, anchors, keep)  # [b, N, g, H]
     label_pos = anchors.unsqueeze(-1) + torch.arange(g) + 1  # [b, N, g]
     inside = label_pos < s
@@ -170,22 +230,24 @@ def dspark_loss(model: DSparkDraftModel, aux: torch.Tensor, ids: torch.Tensor, l
     labels = ids.gather(1, flat).view(label_pos.shape)
     ok = inside & loss_mask.bool().gather(1, flat).view(label_pos.shape) & keep.unsqueeze(-1)
     w = ok.long().cumprod(-1).float()  # the first unsupervised label ends the block
+    scale = w / w.sum().clamp(min=1e-12)
     prev = torch.cat([ids.gather(1, anchors.clamp(max=s - 1)).unsqueeze(-1), labels[..., :-1]], -1)
-    z = model.step_logits(hidden, prev)
-    ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), labels.reshape(-1), reduction="none").view(w.shape)
-    with torch.no_grad():
-        teacher_at = (label_pos - 1).clamp(max=s - 1).view(b, -1)
-        t_hidden = target_hidden.gather(1, teacher_at.unsqueeze(-1).expand(-1, -1, target_hidden.shape[-1]))
-        p_target = torch.softmax(model.logits(t_hidden.view(*w.shape, -1)).float(), -1)
-    l1 = (torch.softmax(z.float(), -1) - p_target).abs().sum(-1)
-    terms = CE_ALPHA * ce + L1_ALPHA * l1
+    teacher_at = (label_pos - 1).clamp(max=s - 1).view(b, -1)
+    t_hidden = target_hidden.gather(1, teacher_at.unsqueeze(-1).expand(-1, -1, target_hidden.shape[-1]))
+    m1 = model.markov_head.markov_w1(prev)
+    total, ce, l1, correct = _ChunkedDSparkHead.apply(
+        hidden.reshape(b * n, g, -1), m1.reshape(b * n, g, -1), model.markov_head.markov_w2.weight,
+        model.lm_head_weight, t_hidden.detach().reshape(b * n, g, -1), labels.reshape(b * n, g),
+        scale.reshape(b * n, g), objective_chunks(b * n, g, model.config.vocab_size, chunk_blocks),
+        torch.is_grad_enabled() and (hidden.requires_grad or m1.requires_grad))
+    ce, l1, correct = ce.view(w.shape), l1.view(w.shape), correct.view(w.shape)
     if model.confidence_head is not None:
-        accept = (1 - 0.5 * l1).clamp(0, 1).detach()
-        terms = terms + CONFIDENCE_ALPHA * F.binary_cross_entropy_with_logits(
+        accept = (1 - 0.5 * l1).clamp(0, 1)
+        total = total + CONFIDENCE_ALPHA * (F.binary_cross_entropy_with_logits(
             model.confidence_logit(hidden, prev), accept, reduction="none")
-    total = (terms * w).sum() / w.sum().clamp(min=1e-12)
-    correct = (z.argmax(-1) == labels) & (w > 0)
-    ce_w = (ce * w).detach()
+            * scale).sum()
+    correct = correct & (w > 0)
+    ce_w = ce * w
     per_slot = [(int((w[..., k] > 0).sum()), float(ce_w[..., k].sum()), int(correct[..., k].sum()))
                 for k in range(g)]
     return total, per_slot

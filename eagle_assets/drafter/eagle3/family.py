@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eagle_assets.drafter.eagle3.export import export_checkpoint, load_drafter, serve_flags, validate_checkpoint
-from eagle_assets.drafter.eagle3.model import DrafterConfig, Eagle3DraftModel
+from eagle_assets.drafter.eagle3.model import DrafterConfig, Eagle3DraftModel, auto_choice
 from eagle_assets.drafter.eagle3.ttt_loss import ttt_loss
 from eagle_assets.drafter.family import DraftFamily, TrainBatch
 from eagle_assets.drafter.features.local_capture import aux_layer_ids
@@ -34,4 +34,5 @@ FAMILY = DraftFamily(
     validate=validate_checkpoint,
     load=load_drafter,
     serve_flags=serve_flags,
+    auto_reason=lambda target_config: auto_choice(target_config)[1],
 )

@@ -62,6 +62,20 @@ def target_has_mla(target_config: Any) -> bool:
     return False
 
 
+def auto_choice(target_config: Any) -> tuple[str, str]:
+    """What ``architecture: auto`` trains for a target, and why: ``("mla" | "llama", reason)``.
+
+    The measurements behind it (docs/drafters.md): on the embedded default the EAGLE-3 chain draft leads the block
+    drafters trained on the same rows and recipe (``training.compare``); the MLA draft exists for MLA targets, whose
+    KV cache layout SGLang serves it with (the public Kimi-K2.x drafts are MLA, with the 3.1 switches on)."""
+    if target_has_mla(target_config):
+        return "mla", ("auto -> mla: the target uses multi-latent attention (its config names kv_lora_rank), and "
+                       "SGLang serves an MLA draft with the target's own KV cache layout")
+    return "llama", ("auto -> llama: the target has no multi-latent attention; the one-layer EAGLE-3 draft led "
+                     "DSpark and DFlash trained from the same rows and recipe on the embedded default "
+                     "(docs/drafters.md); measure yours with training.compare")
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
     """Shape and rotary settings of an EAGLE-3 drafter (the fields SGLang's draft classes read).
@@ -167,7 +181,7 @@ class DrafterConfig:
             dtype = "float32"
         kind = arch.architecture
         if kind == "auto":
-            kind = "mla" if target_has_mla(target_config) else "llama"
+            kind, _why = auto_choice(target_config)
         if kind not in ARCHITECTURES:
             raise ValueError(f"training.drafter.architecture {arch.architecture!r} is not auto, llama or mla")
         switch = kind == "mla"

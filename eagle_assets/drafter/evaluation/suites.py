@@ -8,9 +8,11 @@ check's rows, so its tau at ``training.acceptance_k`` is that check's figure). A
 its turn row id names (``tokenized_prompts.walk``), ``default`` for a single-turn row.
 
 Methods: greedy tau is the simulated chain drafting of ``drafter.evaluation.acceptance`` (exact, target re-runs off the
-row); tau at the suite's temperature is the exact expectation of ``drafter.evaluation.sampled`` (SGLang 0.5.23's
-sampling verification; no Monte Carlo error). Intervals: 95% percentile bootstrap over rows (a mean over
-partitions, for held-out rows: stratified by partition, ``drafter.evaluation.acceptance.mean_tau_over_groups``).
+row); tau at the suite's temperature is the expectation of ``drafter.evaluation.sampled`` under SGLang 0.5.23's
+sampling verification: exact for point-mass drafts (EAGLE-3, DFlash), a seeded Monte Carlo over drawn blocks with
+each block's acceptance exact for DSpark's sampled drafts (its standard error ``tau_mc_se`` in the record).
+Intervals: 95% percentile bootstrap over rows (a mean over partitions, for held-out rows: stratified by partition,
+``drafter.evaluation.acceptance.mean_tau_over_groups``).
 
 Overlap: a suite row whose prompt ids (the tokens before its reply) equal those of a training-split row of the
 trained partitions is counted (``overlap_rows``) and reported; it is still measured.
@@ -148,7 +150,8 @@ def _greedy_curve(target_model, drafter, vocab, groups: dict[str, list[Row]], ks
 
 def _sampled_curve(target_model, drafter, vocab, rows: list[Row], ks: list[int], sampling, edges, resamples
                    ) -> dict[int, dict]:
-    """Expected figures per k at the suite's sampling (one chain of max(ks) drafts per point serves every k)."""
+    """Expected figures per k at the suite's sampling (one chain of max(ks) drafts per point serves every k; a
+    drafter that samples its drafts adds the Monte Carlo standard error, the blocks per point and their seed)."""
     chains = chain_probabilities(target_model, drafter, vocab, rows, max(ks), sampling.temperature,
                                  sampling.top_p, sampling.top_k)
     out = {}
@@ -156,6 +159,8 @@ def _sampled_curve(target_model, drafter, vocab, rows: list[Row], ks: list[int],
         r = sampled_acceptance(chains, k, sampling.temperature, edges, resamples)
         out[k] = {"tau": r.tau, "ci": r.tau_ci95, "per_position": r.per_position_acceptance,
                   "verifications": r.n_verifications, "rows": r.n_rows, "position_buckets": r.position_buckets}
+        if r.draft_samples > 1:  # drawn blocks (DSpark): a seeded Monte Carlo, its standard error beside it
+            out[k].update(tau_mc_se=r.tau_mc_se, draft_samples=r.draft_samples, draft_seed=chains.seed)
     return out
 
 
@@ -163,7 +168,9 @@ def _records(suite: str, mode: str, temperature: float, curve: dict[int, dict], 
     return [{"suite": suite, "thinking": mode, "k": k, "temperature": temperature, "tau": round(c["tau"], 6),
              "ci_low": round(c["ci"][0], 6) if c["ci"] else None, "ci_high": round(c["ci"][1], 6) if c["ci"] else None,
              "rows": n_rows, "verifications": c["verifications"],
-             "per_position": [round(x, 6) for x in c["per_position"]], "position_buckets": c["position_buckets"]}
+             "per_position": [round(x, 6) for x in c["per_position"]], "position_buckets": c["position_buckets"],
+             **({"tau_mc_se": round(c["tau_mc_se"], 6), "draft_samples": c["draft_samples"],
+                 "draft_seed": c["draft_seed"]} if "tau_mc_se" in c else {})}
             for k, c in curve.items()]
 
 

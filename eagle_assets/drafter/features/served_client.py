@@ -64,6 +64,7 @@ from eagle_assets.serving.aux_capture import (
     capture_convention,
     capture_flag_ids,
     capture_ids_from_flag,
+    capture_rule,
     num_layers_of,
     text_config,
 )
@@ -181,6 +182,7 @@ class ServedFeatureSource:
         self.hidden_size = int(_cfg(text_config(config), "hidden_size"))
         self.vocab_size = int(_cfg(text_config(config), "vocab_size"))
         self.convention = capture_convention(config)
+        self.target_config = config
         default = capture_ids_from_flag(None, self.num_layers, self.convention)
         self.capture_ids = sorted(int(c) for c in capture_ids) if capture_ids is not None else default
         # the flag is only needed when the ids differ from the model's default
@@ -242,8 +244,9 @@ class ServedFeatureSource:
                 )
             served = info.get("aux_capture_ids")
             if served is None and info.get("enable_return_aux_hidden_states"):
-                served = capture_ids_from_flag(info.get("return_aux_hidden_state_layer_ids"), self.num_layers,
-                                               self.convention)
+                # a server launched with DFLASH / DSPARK as its capture convention adds 1 to every id
+                rule = capture_rule(self.target_config, info.get("aux_hidden_state_capture"))
+                served = capture_ids_from_flag(info.get("return_aux_hidden_state_layer_ids"), self.num_layers, rule)
             if served is not None and sorted(served) != self.capture_ids:
                 raise ServedFeaturesError(
                     f"{url} captures layers {sorted(served)} (--return-aux-hidden-state-layer-ids "

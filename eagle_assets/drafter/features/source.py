@@ -88,6 +88,16 @@ class LocalFeatures:
         """Every row has local features."""
         return rows
 
+    @staticmethod
+    def final_teacher(teachers: Sequence[np.ndarray], feats: Sequence, shape: tuple[int, int]
+                      ) -> dict[str, torch.Tensor]:
+        """``{"target_hidden": float32 [b, T, H]}``: the target's post-norm final hidden state at every teacher
+        position of each row (``teachers[b]``, int64), zeros elsewhere (``drafter.family.TrainBatch``)."""
+        out = torch.zeros(*shape, feats[0][1].shape[-1])
+        for b, (teacher, f) in enumerate(zip(teachers, feats)):
+            out[b, torch.from_numpy(teacher)] = f[1].float()
+        return {"target_hidden": out}
+
     def acceptance_features(self, split: str) -> dict[int, Any]:
         """Empty: :func:`simulate_acceptance` fills it on first use."""
         return {}
@@ -157,15 +167,37 @@ class _OwnedRows:
 class ServedTarget(nn.Module):
     """What the trainer keeps of a target whose features are served: its ``config`` (the language model's, for a
     multimodal wrapper such as Kimi-K2.5) and its frozen input embedding ``[V, H]`` (the only parameter; the
-    training state's fingerprint hashes it)."""
+    training state's fingerprint hashes it). A block drafter also borrows the target's LM head
+    (:meth:`get_output_embeddings`), read from safetensors when first asked for and never a parameter here.
 
-    def __init__(self, config: Any, embedding: torch.Tensor):
+    Args:
+        lm_head: ``() -> float32 [V, H]`` the LM head's weight, or None for a target whose LM head is its input
+            embedding (``tie_word_embeddings``); None = the same.
+    """
+
+    def __init__(self, config: Any, embedding: torch.Tensor,
+                 lm_head: Callable[[], torch.Tensor | None] | None = None):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding.from_pretrained(embedding.float(), freeze=True)
+        self._read_lm_head = lm_head
+        self._lm_head: list[nn.Module | None] = []  # a list: never registered as a submodule
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The LM head as a frozen bias-free ``nn.Linear`` ``[V, H]``, or None when the target ties it to the input
+        embedding (as transformers' models answer for a tied head that has no module of its own, the caller uses
+        the embedding)."""
+        if not self._lm_head:
+            weight = self._read_lm_head() if self._read_lm_head is not None else None
+            head = None
+            if weight is not None:
+                head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+                head.weight = nn.Parameter(weight.float(), requires_grad=False)
+            self._lm_head.append(head)
+        return self._lm_head[0]
 
 
 def target_text_config(model_dir: Path) -> Any:
@@ -185,6 +217,8 @@ def target_text_config(model_dir: Path) -> Any:
     for name in ("dtype", "torch_dtype"):  # the stored dtype is named at the top level of multimodal configs
         if raw.get(name) and not text.get(name):
             setattr(config, name, raw[name])
+    # where the model lives, as from_pretrained records it: a block drafter's mask token rule reads its tokenizer
+    config._name_or_path = str(model_dir)
     return config
 
 
@@ -214,7 +248,7 @@ class ServedFeatures:
         config = target_text_config(model_dir)
         self.num_layers = int(config.num_hidden_layers)
         self.embedding = read_target_tensor(model_dir, "embed_tokens.weight").float()
-        self.target = ServedTarget(config, self.embedding)
+        self.target = ServedTarget(config, self.embedding, self._read_lm_head)
         self.source = None
         self.views: dict[str, Any] = {}
         self.draft_index: torch.Tensor | None = None
@@ -323,10 +357,36 @@ class ServedFeatures:
         self.views[split] = view
         return kept
 
-    def lm_head_weight(self) -> None:
-        """None: the target's LM head is not read here (the catalog refuses a block drafter with served
-        features)."""
-        return None
+    def _read_lm_head(self) -> torch.Tensor | None:
+        """The target's LM head weight float32 ``[V, H]`` from its safetensors (the one tensor named
+        ``lm_head.weight``, e.g. Kimi-K2.5's ``language_model.lm_head.weight``); None for a target that ties it to
+        the input embedding (``tie_word_embeddings``).
+
+        Raises:
+            KeyError: an untied target without exactly one such tensor.
+        """
+        from eagle_assets.drafter.features.target_weights import read_target_tensor
+
+        if getattr(self.target.config, "tie_word_embeddings", False):
+            return None
+        return read_target_tensor(self.model_dir, "lm_head.weight").float()
+
+    def lm_head_weight(self) -> torch.Tensor | None:
+        """The target's LM head float32 ``[V, H]``, which a block drafter borrows (read from safetensors: the target
+        is not built), or None for a tied target (the drafter then uses the input embedding)."""
+        head = self.target.get_output_embeddings()
+        return None if head is None else head.weight.detach()
+
+    def final_teacher(self, teachers: Sequence[np.ndarray], feats: Sequence, shape: tuple[int, int]) -> dict:
+        """What a loss that reads the target's post-norm final hidden state (DSpark's L1 term) would need: a served
+        target cannot give it (SGLang's aux-capture reply holds the captured layers' inputs and top-K
+        log-probabilities only), so this refuses; the catalog refuses the combination first.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError("this drafter's loss reads the target's final hidden state, which served features do not "
+                         "carry; train it with training.features: local")
 
     def teacher(self, draft_ids: torch.Tensor) -> tuple[None, None]:
         """No lm_head here: the teacher comes with the served features."""
@@ -453,19 +513,31 @@ class ServedAcceptanceFeatures:
 
 def resolve_features(spec: Any, model_dir: Path, default_cache_dir: Path, capture_ids: Sequence[int] | None,
                      max_row_tokens: int, server_urls: Callable[[Any], list[str]],
-                     server_api_key_env: str | None = None) -> Any:
+                     server_api_key_env: str | None = None,
+                     default_capture: Callable[[int], Sequence[int]] | None = None) -> Any:
     """The catalog's ``training.features`` ready for :func:`~eagle_assets.drafter.train.train_drafter`: for
     ``served`` without a ``url``, the pipeline's server (``server_urls(aux_capture)``: the ``sglang`` resource's
     URLs, or one it launches with SGLang's capture flags for ``capture_ids`` under the target's layer-id rule and a
     ``--chunked-prefill-size`` of at least ``max_row_tokens``) and its API key variable; for ``cache: disk``
-    without a ``cache_dir``, ``default_cache_dir``. ``local`` is returned as is."""
-    from eagle_assets.serving.aux_capture import AuxCapture
+    without a ``cache_dir``, ``default_cache_dir``. ``local`` is returned as is.
+
+    Args:
+        capture_ids: the catalog's ``training.aux_layer_ids`` (None = ``default_capture``'s, else SGLang's
+            default ``[2, L//2, L-3]``).
+        default_capture: ``(target layers)`` -> the drafter family's default capture ids
+            (``DraftFamily.capture_ids`` with none requested: a block drafter's is SGLang's
+            ``build_target_layer_ids`` for its depth); the server is launched to capture them.
+    """
+    from eagle_assets.serving.aux_capture import AuxCapture, num_layers_of
 
     if spec is None or spec.source != "served":
         return spec
     update: dict[str, Any] = {}
     if not spec.urls:
         config = read_json_config(model_dir)
+        if capture_ids is None and default_capture is not None:
+            # the family's default layers; EAGLE-3's are SGLang's own default, for which no flag is passed
+            capture_ids = list(default_capture(num_layers_of(config)))
         update["url"] = list(server_urls(AuxCapture.for_target(config, capture_ids, max_row_tokens)))
         if spec.api_key_env is None and server_api_key_env:
             update["api_key_env"] = server_api_key_env

@@ -161,10 +161,11 @@ def read_features(path: str | Path):
 
 def train_result_from_dict(raw: dict[str, Any]):
     """A :class:`~eagle_assets.drafter.train.TrainResult` read back from its ``training_metrics.json``
-    (``TrainResult.to_dict``); its ``checkpoint`` report is re-validated from the checkpoint directory."""
-    from eagle_assets.drafter.eagle3.export import validate_checkpoint
+    (``TrainResult.to_dict``); its ``checkpoint`` report is re-validated from the checkpoint directory by the
+    checkpoint's family, and a block drafter's config is read back from its export."""
     from eagle_assets.drafter.eagle3.model import DrafterConfig
     from eagle_assets.drafter.evaluation.acceptance import AcceptanceResult
+    from eagle_assets.drafter.family import family_of_checkpoint
     from eagle_assets.drafter.training.learning_curve import CurvePoint, StepMetrics
     from eagle_assets.drafter.training.loop import TrainResult
     from eagle_assets.drafter.training.recipe import StepPlan, TrainConfig
@@ -172,21 +173,26 @@ def train_result_from_dict(raw: dict[str, Any]):
     config = dict(raw["config"])
     if config.get("aux_layer_ids") is not None:
         config["aux_layer_ids"] = tuple(config["aux_layer_ids"])
-    dconf = dict(raw["drafter_config"])
-    dconf["aux_capture_ids"] = tuple(dconf["aux_capture_ids"])
+    ckpt = Path(raw["checkpoint_dir"])
+    family = family_of_checkpoint(ckpt)
+    if family.name == "eagle3":
+        dconf = dict(raw["drafter_config"])
+        dconf["aux_capture_ids"] = tuple(dconf["aux_capture_ids"])
+        drafter_config = DrafterConfig(**dconf)
+    else:  # the export's config.json holds every field of a block drafter's config
+        drafter_config = family.load(ckpt)[0].config
     plan = {k: v for k, v in (raw.get("plan") or {}).items() if k != "epochs"}
     acceptance = raw.get("acceptance")
     if acceptance is not None:
         names = {f.name for f in fields(AcceptanceResult)}
         acceptance = AcceptanceResult(**{k: v for k, v in acceptance.items() if k in names})
-    ckpt = Path(raw["checkpoint_dir"])
     return TrainResult(
-        checkpoint_dir=ckpt, checkpoint=validate_checkpoint(ckpt),
+        checkpoint_dir=ckpt, checkpoint=family.validate(ckpt),
         steps=[StepMetrics(**s) for s in raw["steps"]], epochs=raw["epochs"], rows_used=raw["rows_used"],
         rows_skipped=raw["rows_skipped"], skip_reasons=raw["skip_reasons"], rows_truncated=raw["rows_truncated"],
         tokens_per_epoch=raw["tokens_per_epoch"], out_of_draft_positions=raw["out_of_draft_positions"],
         feature_seconds=raw["feature_seconds"], train_seconds=raw["train_seconds"], tokens_per_s=raw["tokens_per_s"],
-        aux_capture_ids=raw["aux_capture_ids"], drafter_config=DrafterConfig(**dconf), config=TrainConfig(**config),
+        aux_capture_ids=raw["aux_capture_ids"], drafter_config=drafter_config, config=TrainConfig(**config),
         plan=StepPlan(**plan) if plan else None, curve=[CurvePoint(**p) for p in raw["curve"]],
         best_step=raw["best_step"], stopped_early=raw["stopped_early"], validation_rows=raw["validation_rows"],
         eval_seconds=raw["eval_seconds"], acceptance=acceptance, notes=raw["notes"],

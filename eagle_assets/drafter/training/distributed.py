@@ -19,7 +19,10 @@ What stays the same as one process, by construction:
   positions of the whole batch (``ttt_loss``). Here each rank sums its positions' cross-entropy and divides by
   the *global* count of step ``i`` (one all-reduce of the per-step counts before the drafter runs), and the
   backward runs on ``W`` times that, because DDP averages gradients over ranks: the averaged gradient is the
-  gradient of the one-process loss. Gradient clipping then sees the global norm on every rank.
+  gradient of the one-process loss. Gradient clipping then sees the global norm on every rank. A block family
+  (DFlash, DSpark) divides its rank's weighted sum by the global batch's weighted block slots the same way
+  (its ``loss_counts``), over the blocks the loop drew once for the whole global batch (its ``draw_anchors``):
+  every rank draws what one process draws, so torch's generator stays the same on every rank.
 - **Metrics.** Per-step cross-entropy sums, correct argmaxes and out-of-draft counts are all-reduced, so every
   rank logs the losses and accuracies one process would.
 - **Validation, early stopping, export.** Rank 0 scores the validation rows (learning curve, simulated tau) and
@@ -44,7 +47,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch import nn
 
-from eagle_assets.drafter.family import TrainBatch
+from eagle_assets.drafter.family import TrainBatch, ttt_counts
 
 T = TypeVar("T")
 
@@ -168,6 +171,7 @@ class DataParallel:
         objective: nn.Module | None,
         batch: TrainBatch | None,
         weights: Sequence[float],
+        counts: Callable[[TrainBatch, int], list[int]] | None = None,
     ) -> tuple[torch.Tensor, float, list[tuple[int, float, int]], int]:
         """The loss of this rank's shard of a global batch, and the global batch's metrics.
 
@@ -176,6 +180,9 @@ class DataParallel:
             model: the drafter; objective: :meth:`wrap`'s module (None for a single process).
             batch: this rank's shard (``drafter.family.TrainBatch``); None for an empty shard.
             weights: per step its loss weight.
+            counts: the family's ``loss_counts`` (per step, the positions the loss normalizes by); None = the TTT
+                counts (:func:`~eagle_assets.drafter.family.ttt_counts`). Summed over the ranks, they are the
+                ``normalizer`` each rank's ``loss`` divides by, and the global batch's per-step position counts.
 
         Returns:
             ``(loss to backward, weighted loss of the global batch, per step (supervised positions, summed CE,
@@ -187,17 +194,17 @@ class DataParallel:
             total, per_step = loss(model, batch, weights)
             return total, float(total.detach()), per_step, sup.out_of_draft
         k = len(weights)
-        local = [int((sup.position > i).sum()) for i in range(k)] + [sup.out_of_draft] if sup is not None \
+        local = [int(c) for c in (counts or ttt_counts)(batch, k)] + [sup.out_of_draft] if batch is not None \
             else [0] * (k + 1)
-        counts = [int(c) for c in self.all_sum(local, dtype=torch.int64)]
-        n_global, out_of_draft = counts[:k], counts[k]
+        summed = [int(c) for c in self.all_sum(local, dtype=torch.int64)]
+        n_global, out_of_draft = summed[:k], summed[k]
         if not any(n_global):
             return torch.zeros(()), 0.0, [(0, 0.0, 0)] * k, out_of_draft
         total, per_step = objective(loss, batch, weights, n_global)
-        sums = self.all_sum([ce for _, ce, _ in per_step] + [c for _, _, c in per_step])
-        per_step = [(n_global[i], sums[i], int(sums[k + i])) for i in range(k)]
-        value = sum(w * ce / n for w, (n, ce, _) in zip(weights, per_step) if n)
-        return total * self.world, float(value), per_step, out_of_draft
+        # each rank's loss is its share of the global batch's: their sum is the one-process loss
+        sums = self.all_sum([float(total.detach())] + [ce for _, ce, _ in per_step] + [c for _, _, c in per_step])
+        per_step = [(n_global[i], sums[1 + i], int(sums[1 + k + i])) for i in range(k)]
+        return total * self.world, float(sums[0]), per_step, out_of_draft
 
 
 class _Objective(nn.Module):

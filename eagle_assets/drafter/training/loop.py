@@ -32,7 +32,7 @@ from torch import nn
 
 from eagle_assets.drafter.data.vocab import DraftVocab
 from eagle_assets.drafter.evaluation.acceptance import AcceptanceResult, simulate_acceptance
-from eagle_assets.drafter.family import TrainBatch, family_for
+from eagle_assets.drafter.family import TrainBatch, block_rows, family_for
 from eagle_assets.drafter.features.local_cache import PreparedRow, cache_bytes, make_batches, pad, prepare_rows
 from eagle_assets.drafter.features.source import feature_source
 from eagle_assets.drafter.training.distributed import DataParallel
@@ -418,34 +418,45 @@ class _Run:
                       f"{config.min_delta} in {config.patience} evaluations (best {self.stopping.best_tau:.3f} at "
                       f"step {self.stopping.best_step})")
 
-    def _batch(self, rows: list[PreparedRow], features: Any, index: list[int]) -> TrainBatch:
-        """The family's view of ``rows[index]`` (right-padded), with their cached or fetched target features."""
+    def _batch(self, rows: list[PreparedRow], features: Any, index: list[int], anchors: Any = None) -> TrainBatch:
+        """The family's view of ``rows[index]`` (right-padded), with their cached or fetched target features and,
+        for a block family, the blocks ``anchors`` drawn for them (None: the family draws from their masks)."""
         feats = features.get(index)
         ids = pad([rows[i].ids for i in index])
-        target_hidden = None
-        if self.family.wants_target_hidden:  # the local cache's rows: (aux, final hidden at teacher positions, ..)
-            target_hidden = torch.zeros(*ids.shape, feats[0][1].shape[-1])
-            for b, (i, f) in enumerate(zip(index, feats)):
-                target_hidden[b, torch.from_numpy(rows[i].teacher)] = f[1].float()
+        final = self.source.final_teacher([rows[i].teacher for i in index], feats, tuple(ids.shape)) \
+            if self.family.wants_target_hidden else {}  # target_hidden (local) or target_logprobs (served)
         return TrainBatch(
             aux=torch.nn.utils.rnn.pad_sequence([f[0] for f in feats], batch_first=True),
-            ids=ids, target_hidden=target_hidden,
+            ids=ids, anchors=anchors, **final,
             loss_mask=pad([rows[i].mask.astype(np.int64) for i in index]).bool(),
             supervision=self.source.supervision([rows[i].teacher for i in index], feats, self.in_draft,
                                                 self.teacher_w, self.teacher_b),
             draft_token_ids=self.draft_ids)
 
+    def _anchors(self, rows: list[PreparedRow], batch: list[int], local: list[int],
+                 generator: torch.Generator | None = None) -> Any:
+        """A block family's blocks of this rank's rows ``local`` of the global ``batch``: drawn once over the whole
+        global batch's masks (every rank draws the same, as one process does: torch's generator stays in step on
+        every rank), then cut to ``local``. None for a family without ``draw_anchors`` or an empty shard."""
+        if self.family.draw_anchors is None or not local:
+            return None
+        drawn = self.family.draw_anchors(pad([rows[i].mask.astype(np.int64) for i in batch]).bool(), generator)
+        where = {row: n for n, row in enumerate(batch)}
+        return block_rows(drawn, [where[i] for i in local])
+
     def _step(self, step_no: int, epoch: int, batch: list[int]) -> None:
         config, progress = self.config, self.progress
         t_step = time.perf_counter()
         local = self.parallel.shard(batch)  # this rank's rows of the global batch (all of them for one process)
-        train_batch = self._batch(self.rows, self.features, local) if local else None
+        anchors = self._anchors(self.rows, batch, local)
+        train_batch = self._batch(self.rows, self.features, local, anchors) if local else None
         lr = lr_at(step_no, self.plan.total_steps, self.plan.warmup_steps, config.lr, config.min_lr_ratio,
                    config.schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total, loss, per_step, out_of_draft = self.parallel.batch_loss(self.family.batch_loss, self.model,
-                                                                       self.objective, train_batch, self.weights)
+                                                                       self.objective, train_batch, self.weights,
+                                                                       self.family.loss_counts)
         if epoch == 0:
             progress.out_of_draft += out_of_draft
         s_loss = [ce / n if n else None for n, ce, _ in per_step]
@@ -513,9 +524,14 @@ class _Run:
             ce_sum = [0.0] * self.n_steps
             correct = [0] * self.n_steps
             count = [0] * self.n_steps
+            # a block family's validation blocks come from a generator of their own, seeded the same at every
+            # evaluation: the same blocks score every point of the curve, and training's generator (which rank 0
+            # alone would advance here) is left alone
+            blocks = torch.Generator().manual_seed(self.config.seed)
             for batch in make_batches(self.validation, self.config.batch_tokens):
+                anchors = self._anchors(self.validation, batch, batch, blocks)
                 _, per_step = self.family.batch_loss(self.model, self._batch(self.validation, self.val_features,
-                                                                            batch), self.weights)
+                                                                            batch, anchors), self.weights)
                 for i, (n, ce, c) in enumerate(per_step):
                     ce_sum[i] += ce
                     correct[i] += c
