@@ -55,7 +55,7 @@ def _catalog(tmp: Path, server_url: str) -> Path:
     seen = {"description": "B5's source again", "sources": [parts["B5_openthoughts"]["sources"][0]], "limit": 16,
             "thinking": "default", "sampling": {"max_new_tokens": 768, "temperature": 0.0},
             "thresholds": parts["B5_openthoughts"]["thresholds"]}
-    base["evaluation"] = {"k": [1, 3, 7], "heldout": True, "position_buckets": [128, 256],
+    base["evaluation"] = {"k": [1, 3, 7], "heldout": True, "position_buckets": [128, 256], "draft_samples": 4,
                           "suites": {"words": words, "seen": seen}}
     path = tmp / "catalog.yaml"
     path.write_text(yaml.safe_dump(base))
@@ -343,15 +343,19 @@ def test_compared_drafters_are_trained_from_the_same_rows_and_measured_on_the_sa
 
     target = AutoModelForCausalLM.from_pretrained(demo_target, dtype="float32").eval()
     model, _ = DSPARK.load(ckpt, target)
-    k = 3
-
-    @torch.no_grad()
-    def blocks(ids: np.ndarray) -> np.ndarray:
-        x = torch.from_numpy(ids)
-        aux, _ = run_target(target, x, model.config.aux_capture_ids)
-        return model.draft_chain(aux, x, k)
-
-    tokens, verifications = _greedy_walk(target, _suite_rows(store, "words", "on"), k, blocks)
+    # k = 1: one target forward per row gives every point's verdict (the walk past the first draft is the shared
+    # code test_greedy_tau_is_an_exact_walk_over_the_stored_rows checks at k = 3)
+    k, tokens, verifications = 1, 0, 0
+    for ids, n_prompt in _suite_rows(store, "words", "on"):
+        with torch.no_grad():
+            x = torch.from_numpy(ids)
+            aux, _ = run_target(target, x, model.config.aux_capture_ids)
+            first = model.draft_chain(aux, x, k)[:, 0]  # slot 0 of the block anchored at ids[n]: token n + 1
+        argmax = _logits(target, ids.tolist()).argmax(-1)
+        n, end = n_prompt, len(ids)
+        while n <= end - 2:
+            accepted = int(first[n - 1] == argmax[n])
+            tokens, verifications, n = tokens + accepted + 1, verifications + 1, n + accepted + 1
     record = [r for r in spark["records"] if (r["suite"], r["thinking"], r["k"], r["temperature"]) ==
               ("words", "on", k, 0.0)]
     assert len(record) == 1 and record[0]["tau"] == round(tokens / verifications, 6)

@@ -80,6 +80,10 @@ class SuiteSpec(StrictModel):
             max_prompt_tokens=self.max_prompt_tokens, thresholds=self.thresholds, live=self.live)
 
 
+#: blocks drawn per verification point for a drafter that samples its drafts (``evaluation.draft_samples``)
+DRAFT_SAMPLES = 16
+
+
 class EvaluationSpec(StrictModel):
     """``evaluation``: what the ``evaluation`` asset reports for the trained drafter.
 
@@ -88,6 +92,8 @@ class EvaluationSpec(StrictModel):
     ``acceptance_length`` check). ``position_buckets``: edges, in tokens from the row's start, of the
     position-in-sequence buckets acceptance is broken down by (``training.max_length`` is always one more: the
     buckets past it are marked ``past_training_length``). ``bootstrap``: resamples of each interval.
+    ``draft_samples``: blocks drawn per verification point for a drafter that samples its drafts at a suite's
+    temperature (DSpark: a seeded Monte Carlo whose standard error the report gives; exact figures need none).
     ``suites``: name -> :class:`SuiteSpec`.
     """
 
@@ -95,6 +101,7 @@ class EvaluationSpec(StrictModel):
     heldout: bool = True
     position_buckets: list[int] = Field(default_factory=lambda: [256, 512, 1024, 2048])
     bootstrap: int = Field(2000, gt=0)
+    draft_samples: int = Field(DRAFT_SAMPLES, gt=0)
     suites: dict[str, SuiteSpec] = Field(default_factory=dict)
 
     @field_validator("k")

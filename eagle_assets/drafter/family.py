@@ -36,16 +36,17 @@ class DraftArchitecture:
 
     Attributes:
         architecture: ``llama`` (SGLang ``LlamaForCausalLMEagle3``), ``mla`` (``Eagle3DeepseekV2ForCausalLM``),
-            ``dflash`` (``DFlashDraftModel``, a block drafter) or ``auto`` (EAGLE-3: ``mla`` for a target with
-            multi-latent attention, its config has ``kv_lora_rank``: DeepSeek-V3/R1, Kimi-K2.x; else ``llama``).
+            the block drafters ``dflash`` (``DFlashDraftModel``) and ``dspark`` (``DSparkDraftModel``), or ``auto``
+            (EAGLE-3: ``mla`` for a target with multi-latent attention, its config has ``kv_lora_rank``:
+            DeepSeek-V3/R1, Kimi-K2.x; else ``llama``; ``eagle3.model.auto_choice`` says why).
         fc_norm / norm_output: the EAGLE-3.1 switches; None = on for ``mla`` (the public Kimi MLA drafts,
             ``lightseekorg/kimi-k2.6-eagle3.1-mla``), off for ``llama`` (today's EAGLE-3 drafts and their acceptance).
         norm_before_fc: one RMSNorm over the concatenated ``3H`` features before ``fc`` (llama only).
         num_hidden_layers: decoder layers (llama, dflash: any >= 1; SGLang's MLA class takes exactly 1).
         window: sliding attention window (tokens), None = full attention.
         q_lora_rank ... v_head_dim: MLA shape; None = the target's own (``eagle3.model.MLA_DIMS``).
-        block_size: DFlash's block (``B - 1`` drafts per verification); None = 16.
-        mask_token_id: DFlash's mask token; None = the rule of ``dflash.family.mask_token_id``.
+        block_size: DFlash's block (``B - 1`` drafts per verification; None = 16), DSpark's drafts (None = 7).
+        mask_token_id: the block drafters' mask token; None = the rule of ``dflash.family.mask_token_id``.
     """
 
     architecture: str = "auto"
@@ -156,8 +157,8 @@ class DraftFamily:
         wants_target_hidden: its loss reads ``TrainBatch.target_hidden`` (built only then: a ``[b, T, H]`` tensor
             per step; local features only: a served target sends no final hidden state).
         loss_counts: ``(TrainBatch, steps)`` -> per step the positions this batch's loss is normalized by, which a
-            data-parallel run sums over the ranks into ``batch_loss``'s ``normalizer``; None = the TTT counts
-            (teacher positions ``q > i`` at step ``i``, :func:`ttt_counts`).
+            data-parallel run sums over the ranks into ``batch_loss``'s ``normalizer`` (EAGLE-3: the teacher
+            positions ``q > i`` at TTT step ``i``; a block family: its weighted slots).
         draw_anchors: block families: ``(loss_mask bool [B, S], generator=None)`` -> ``(anchors, keep)``
             ``[B, N]``; the training loop calls it once per step over the whole global batch (every rank, the same
             draw from torch's global generator) and hands each rank its rows (``TrainBatch.anchors``).
@@ -177,17 +178,10 @@ class DraftFamily:
     validate: Callable[..., Any]
     load: Callable[..., Any]
     serve_flags: Callable[..., list[str]]
+    loss_counts: Callable[[TrainBatch, int], list[int]]
     wants_target_hidden: bool = False
-    loss_counts: Callable[[TrainBatch, int], list[int]] | None = None
     draw_anchors: Callable[..., Any] | None = None
     auto_reason: Callable[[Any], str] | None = None
-
-
-def ttt_counts(batch: TrainBatch, steps: int) -> list[int]:
-    """Per TTT step ``i`` the teacher positions ``q > i`` of ``batch`` (the rows step ``i`` trains): what EAGLE-3's
-    ``ttt_loss`` divides step ``i``'s summed cross-entropy by."""
-    position = batch.supervision.position
-    return [int((position > i).sum()) for i in range(steps)]
 
 
 def block_rows(anchors: tuple[Any, Any], rows: Sequence[int]) -> tuple[Any, Any]:

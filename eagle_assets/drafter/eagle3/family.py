@@ -15,6 +15,13 @@ def build_model(config: DrafterConfig, embed_weight, draft_token_ids, lm_head_we
     return Eagle3DraftModel(config, embed_weight=embed_weight, draft_token_ids=draft_token_ids)
 
 
+def ttt_counts(batch: TrainBatch, steps: int) -> list[int]:
+    """Per TTT step ``i`` the teacher positions ``q > i`` of ``batch`` (the rows step ``i`` trains): what
+    :func:`~eagle_assets.drafter.eagle3.ttt_loss.ttt_loss` divides step ``i``'s summed cross-entropy by."""
+    position = batch.supervision.position
+    return [int((position > i).sum()) for i in range(steps)]
+
+
 def batch_loss(model: Eagle3DraftModel, batch: TrainBatch, weights, normalizer=None):
     """The TTT loss of a batch (:func:`~eagle_assets.drafter.eagle3.ttt_loss.ttt_loss`)."""
     return ttt_loss(model, batch.aux, batch.ids, batch.supervision, weights, batch.draft_token_ids,
@@ -34,5 +41,6 @@ FAMILY = DraftFamily(
     validate=validate_checkpoint,
     load=load_drafter,
     serve_flags=serve_flags,
+    loss_counts=ttt_counts,
     auto_reason=lambda target_config: auto_choice(target_config)[1],
 )

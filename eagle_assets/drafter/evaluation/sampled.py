@@ -65,6 +65,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from eagle_assets.catalog.evaluation import DRAFT_SAMPLES
 from eagle_assets.drafter.data.rows import walkable
 from eagle_assets.drafter.data.vocab import DraftVocab
 from eagle_assets.drafter.evaluation.acceptance import bootstrap_tau, drafting_mode
@@ -74,8 +75,7 @@ from eagle_assets.serving.engine import sampling_probs
 
 #: chains (verification points x drawn blocks) that share one target forward (the row is re-fed with every chunk)
 POINT_CHUNK = 64
-#: blocks drawn per verification point for a drafter with sampled drafts, and the seed of their generator
-DRAFT_SAMPLES = 16
+#: the seed of the generator that draws sampled drafts (blocks per point: ``evaluation.draft_samples``)
 DRAFT_SEED = 0
 
 

@@ -148,12 +148,13 @@ def _greedy_curve(target_model, drafter, vocab, groups: dict[str, list[Row]], ks
     return dict(sorted(out.items()))
 
 
-def _sampled_curve(target_model, drafter, vocab, rows: list[Row], ks: list[int], sampling, edges, resamples
-                   ) -> dict[int, dict]:
+def _sampled_curve(target_model, drafter, vocab, rows: list[Row], ks: list[int], sampling, edges, resamples,
+                   draft_samples: int) -> dict[int, dict]:
     """Expected figures per k at the suite's sampling (one chain of max(ks) drafts per point serves every k; a
-    drafter that samples its drafts adds the Monte Carlo standard error, the blocks per point and their seed)."""
+    drafter that samples its drafts draws ``draft_samples`` blocks per point and adds the Monte Carlo standard
+    error, the blocks per point and their seed)."""
     chains = chain_probabilities(target_model, drafter, vocab, rows, max(ks), sampling.temperature,
-                                 sampling.top_p, sampling.top_k)
+                                 sampling.top_p, sampling.top_k, draft_samples=draft_samples)
     out = {}
     for k in ks:
         r = sampled_acceptance(chains, k, sampling.temperature, edges, resamples)
@@ -250,7 +251,8 @@ def evaluate_suites(catalog: Catalog, layout: Layout, target_model, drafter, voc
             greedy = _greedy_curve(target_model, drafter, vocab, {name: rows}, ks, edges, boot, cap)
             records += _records(name, mode, 0.0, greedy, len(rows))
             if suite.sampling.temperature > 0:
-                sampled = _sampled_curve(target_model, drafter, vocab, rows, ks, suite.sampling, edges, boot)
+                sampled = _sampled_curve(target_model, drafter, vocab, rows, ks, suite.sampling, edges, boot,
+                                         spec.draft_samples)
                 records += _records(name, mode, float(suite.sampling.temperature), sampled, len(rows))
             gates.append(gate(t, suite, name, mode, greedy[t.acceptance_k]["tau"], len(rows), qc[name]))
         log(f"evaluation: suite {name} measured ({ {m: len(r) for m, r in rows_by_mode.items()} } rows by mode)")

@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch import nn
 
-from eagle_assets.drafter.family import TrainBatch, ttt_counts
+from eagle_assets.drafter.family import TrainBatch
 
 T = TypeVar("T")
 
@@ -171,7 +171,7 @@ class DataParallel:
         objective: nn.Module | None,
         batch: TrainBatch | None,
         weights: Sequence[float],
-        counts: Callable[[TrainBatch, int], list[int]] | None = None,
+        counts: Callable[[TrainBatch, int], list[int]],
     ) -> tuple[torch.Tensor, float, list[tuple[int, float, int]], int]:
         """The loss of this rank's shard of a global batch, and the global batch's metrics.
 
@@ -180,8 +180,8 @@ class DataParallel:
             model: the drafter; objective: :meth:`wrap`'s module (None for a single process).
             batch: this rank's shard (``drafter.family.TrainBatch``); None for an empty shard.
             weights: per step its loss weight.
-            counts: the family's ``loss_counts`` (per step, the positions the loss normalizes by); None = the TTT
-                counts (:func:`~eagle_assets.drafter.family.ttt_counts`). Summed over the ranks, they are the
+            counts: the family's ``loss_counts`` (per step, the positions the loss normalizes by). Summed over
+                the ranks, they are the
                 ``normalizer`` each rank's ``loss`` divides by, and the global batch's per-step position counts.
 
         Returns:
@@ -194,7 +194,7 @@ class DataParallel:
             total, per_step = loss(model, batch, weights)
             return total, float(total.detach()), per_step, sup.out_of_draft
         k = len(weights)
-        local = [int(c) for c in (counts or ttt_counts)(batch, k)] + [sup.out_of_draft] if batch is not None \
+        local = [int(c) for c in counts(batch, k)] + [sup.out_of_draft] if batch is not None \
             else [0] * (k + 1)
         summed = [int(c) for c in self.all_sum(local, dtype=torch.int64)]
         n_global, out_of_draft = summed[:k], summed[k]
