@@ -19,7 +19,8 @@ from eagle_assets_tests.dagster_runs import materialize_training
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA = REPO_ROOT / "catalogs" / "demo_data"
-pytestmark = pytest.mark.slow(seconds=90)  # four partitions, one small training, the evaluation and its recomputation
+# four partitions, two small trainings (the drafter and a compared one), the evaluation, the comparison, recomputations
+pytestmark = pytest.mark.slow(seconds=130)
 
 # sampling of the word-problem suite: T = 1.0 with a top_k and a top_p, so the recomputation covers both cuts
 SAMPLING = {"max_new_tokens": 256, "temperature": 1.0, "top_p": 0.9, "top_k": 12}
