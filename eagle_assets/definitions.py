@@ -87,7 +87,7 @@ def build_definitions(
         *build_dataset_assets(catalog, partitions_def),
         *build_training_assets(full_asset_graph=lambda: defs.resolve_asset_graph()),
         *build_evaluation_assets(catalog),
-        *build_comparison_assets(catalog),
+        *build_comparison_assets(catalog, full_asset_graph=lambda: defs.resolve_asset_graph()),
         *build_export_assets(),
     ]
     conditions = asset_conditions()

@@ -168,7 +168,11 @@ def test_sglang_drafts_the_dspark_blocks_our_draft_drafts(sglang_blocks, case):
     assert np.abs(np.asarray(sglang["confidences"]) - ours["confidences"]).max() < 1e-4
 
 
-def test_the_training_assets_train_and_export_a_dspark_draft(target8, tmp_path):
+def test_the_training_assets_train_and_export_a_dspark_draft_and_compare_it_with_an_eagle3_one(target8, tmp_path):
+    """``training.drafter.architecture: dspark`` through the real training assets, and ``training.compare``: an
+    EAGLE-3 drafter trained beside it from the same rows and recipe by ``drafter_comparison``, its export held to
+    its family's contract with its lineage, both measured on the same rows (the DSpark draft's figures are the
+    ``evaluation`` asset's to the digit; the EAGLE-3 draft's k=1 tau is a walk of our own)."""
     import yaml
 
     from eagle_assets.definitions import build_definitions
@@ -178,14 +182,16 @@ def test_the_training_assets_train_and_export_a_dspark_draft(target8, tmp_path):
     training = {"draft_vocab_size": 256, "epochs": 3, "lr": 3.0e-3, "batch_tokens": 256, "max_length": 256,
                 "holdout_fraction": 0.3, "validation_rows": 1, "acceptance_k": 4, "min_tau_margin": 0.0,
                 "tau_warn": 1.0, "threads": 1, "warmup_steps": 1, "save_every_steps": 0, "mix": {"bucket_caps": []},
-                "drafter": {"architecture": "dspark", "block_size": 5}}
+                "drafter": {"architecture": "dspark", "block_size": 5},
+                "compare": {"eagle3": {"architecture": "llama"}}}
     catalog = {"target": {"model": str(target8)}, "training": training,
                "partitions": {"P1": {"sources": [{"path": str(tmp_path / "source.jsonl"), "format": "messages"}],
                                      "sampling": {"max_new_tokens": 32}}}}
     path = tmp_path / "dsp.yaml"
     path.write_text(yaml.safe_dump(catalog))
     _qc_rows(tmp_path / "store" / "dsp" / "qc_shards" / "P1", target8)
-    result, logs = materialize_training(build_definitions(path, storage_root=tmp_path / "store"))
+    defs = build_definitions(path, storage_root=tmp_path / "store")
+    result, logs = materialize_training(defs)
     assert result.success, "\n".join(logs[-30:])
     checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
     assert checks["export_contract"].passed
@@ -195,6 +201,54 @@ def test_the_training_assets_train_and_export_a_dspark_draft(target8, tmp_path):
     assert family_of_checkpoint(ckpt) is DSPARK
     metrics = json.loads((ckpt.parent / "training_metrics.json").read_text())
     assert len(metrics["steps"][0]["step_loss"]) == 5  # one figure per drafted slot, the anchor's row included
+    _compare_with_eagle3(defs, tmp_path / "store" / "dsp", target8, metrics)
+
+
+def _compare_with_eagle3(defs, store, target_dir, metrics) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from eagle_assets.catalog import load_catalog
+    from eagle_assets.drafter.data.splits import load_split_rows
+    from eagle_assets.drafter.eagle3.family import FAMILY as EAGLE3
+    from eagle_assets.drafter.features.local_capture import run_target
+    from eagle_assets.storage.shards import Layout
+    from eagle_assets_tests.dagster_runs import materialize_training
+
+    result, logs = materialize_training(defs, ("evaluation", "drafter_comparison"))
+    assert result.success, "\n".join(logs[-30:])
+    check = {e.check_name: e for e in result.get_asset_check_evaluations()}["compared_exports"]
+    assert check.passed, check.description
+    doc = json.loads((store / "drafter_comparison" / "report.json").read_text())
+    dspark, eagle3 = doc["drafters"]
+    assert (dspark["label"], eagle3["label"]) == ("drafter", "eagle3")
+    assert (dspark["sglang_class"], eagle3["sglang_class"]) == ("DSparkDraftModel", "LlamaForCausalLMEagle3")
+    assert dspark["records"] == json.loads((store / "evaluation" / "report.json").read_text())["records"]
+    ckpt = store / "drafter_comparison" / "eagle3" / "checkpoint"
+    assert eagle3["parameters"] == EAGLE3.validate(ckpt).parameters > 0 and eagle3["train_seconds"] > 0
+    provenance = json.loads((ckpt / "provenance.json").read_text())  # its lineage, as drafter_checkpoint's
+    assert provenance["asset"] == "drafter_comparison" and provenance["inputs"]
+    trained = json.loads((ckpt.parent / "training_metrics.json").read_text())
+    assert (trained["rows_used"], trained["tokens_per_epoch"]) == (metrics["rows_used"], metrics["tokens_per_epoch"])
+    # the EAGLE-3 draft's held-out greedy tau at k=1, walked here: one target forward per row gives every verdict
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    model, _ = EAGLE3.load(ckpt, target)
+    catalog = load_catalog(defs.resources["settings"].catalog_path)
+    tokens = verifications = 0
+    for _sid, ids, mask, _key in load_split_rows(Layout(store.parent, store.name), catalog, ["P1"], "test"):
+        x = torch.as_tensor(np.asarray(ids, np.int64))
+        with torch.no_grad():
+            aux, _ = run_target(target, x, model.config.aux_capture_ids)
+            first = model.draft_chain(aux, x, 1)[:, 0]  # row n - 1 drafts token n + 1
+            argmax = target(x[None]).logits[0].argmax(-1).numpy()
+        n, end = int(np.argmax(np.asarray(mask) > 0)), len(ids)
+        while n <= end - 2:
+            accepted = int(first[n - 1] == argmax[n])
+            tokens, verifications, n = tokens + accepted + 1, verifications + 1, n + accepted + 1
+    held = [r for r in eagle3["records"] if (r["suite"], r["k"], r["temperature"]) == ("heldout", 1, 0.0)]
+    assert len(held) == 1 and held[0]["tau"] == round(tokens / verifications, 6) and verifications > 0
+    md = (store / "drafter_comparison" / "report.md").read_text()
+    assert "| drafter | dspark: 1 layer(s), 5 drafts" in md and "| eagle3 | llama (1 layer) |" in md
+    assert doc["supported"] in ("drafter", "eagle3") and "mean greedy tau" in doc["reason"]
 
 
 def test_a_walk_past_the_block_measures_the_blocks_own_drafts():

@@ -19,8 +19,7 @@ from eagle_assets_tests.dagster_runs import materialize_training
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA = REPO_ROOT / "catalogs" / "demo_data"
-# four partitions, two small trainings (the drafter and a compared one), the evaluation, the comparison, recomputations
-pytestmark = pytest.mark.slow(seconds=130)
+pytestmark = pytest.mark.slow(seconds=90)  # four partitions, one small training, the evaluation and its recomputation
 
 # sampling of the word-problem suite: T = 1.0 with a top_k and a top_p, so the recomputation covers both cuts
 SAMPLING = {"max_new_tokens": 256, "temperature": 1.0, "top_p": 0.9, "top_k": 12}
@@ -40,8 +39,6 @@ def _catalog(tmp: Path, server_url: str) -> Path:
     base["training"].update({"train_tokens": 32000, "holdout_fraction": 0.25, "holdout_rows": 4, "validation_rows": 0,
                              "eval_every_tokens": 0, "patience": 0, "unseen_eval": None})
     base["training"]["mix"]["bucket_caps"] = []
-    # one more drafter trained beside training.drafter from the same rows and recipe, measured side by side
-    base["training"]["compare"] = {"spark": {"architecture": "dspark", "block_size": 3}}
     # thinking on is what the drafter trained on (the demo target's default); off is what it never saw
     words = base["evaluation"]["suites"]["word_problems"]
     words.update({"sources": [{"path": str(DATA / "U1_word_problems.jsonl"), "format": "gsm8k"}], "limit": 12,
@@ -56,7 +53,7 @@ def _catalog(tmp: Path, server_url: str) -> Path:
     seen = {"description": "B5's source again", "sources": [parts["B5_openthoughts"]["sources"][0]], "limit": 16,
             "thinking": "default", "sampling": {"max_new_tokens": 768, "temperature": 0.0},
             "thresholds": parts["B5_openthoughts"]["thresholds"]}
-    base["evaluation"] = {"k": [1, 3, 7], "heldout": True, "position_buckets": [128, 256], "draft_samples": 4,
+    base["evaluation"] = {"k": [1, 3, 7], "heldout": True, "position_buckets": [128, 256],
                           "suites": {"words": words, "seen": seen}}
     path = tmp / "catalog.yaml"
     path.write_text(yaml.safe_dump(base))
@@ -80,14 +77,6 @@ def evaluated(demo_target, tmp_path_factory, one_thread):
     result, logs = materialize_training(defs, ("evaluation",))
     assert result.success, logs[-20:]
     return defs, trained, result, tmp / "store" / "catalog"
-
-
-@pytest.fixture(scope="module")
-def compared(evaluated):
-    defs, _trained, _result, store = evaluated
-    result, logs = materialize_training(defs, ("drafter_comparison",))
-    assert result.success, logs[-20:]
-    return result, store
 
 
 def _checks(result) -> dict:
@@ -150,27 +139,6 @@ def _distribution(logits: np.ndarray, t: float, top_p: float, top_k: int) -> np.
     return p / p.sum()
 
 
-def _greedy_walk(target, rows, k: int, chain_of) -> tuple[int, int]:
-    """``(tokens, verifications)`` of SGLang's greedy walk over ``rows`` (``(input_ids, n_prompt_tokens)``): at each
-    verification point the drafts of ``chain_of(ids)[n - 1]`` accepted while each equals the target's argmax on the
-    exact prefix (a target forward per draft), then the target's own token."""
-    tokens = verifications = 0
-    for ids, n_prompt in rows:
-        chain = chain_of(ids)
-        n, end = n_prompt, len(ids)
-        while n <= end - 2:
-            accepted: list[int] = []
-            for j in range(min(k, end - 1 - n)):
-                want = int(_logits(target, ids[: n + 1].tolist() + accepted)[-1].argmax())
-                if int(chain[n - 1, j]) != want:
-                    break
-                accepted.append(want)
-            tokens += len(accepted) + 1
-            verifications += 1
-            n += len(accepted) + 1
-    return tokens, verifications
-
-
 def _record(store: Path, **want) -> dict:
     records = json.loads((store / "evaluation" / "report.json").read_text())["records"]
     found = [r for r in records if all(r[k] == v for k, v in want.items())]
@@ -182,9 +150,21 @@ def test_greedy_tau_is_an_exact_walk_over_the_stored_rows(evaluated, demo_target
     """Greedy tau at k=3 on the thinking-on rows, walked with a target forward on every exact prefix."""
     _defs, _trained, _result, store = evaluated
     target, drafter = _models(store, demo_target)
-    k = 3
+    k, tokens, verifications = 3, 0, 0
     rows = _suite_rows(store, "words", "on")
-    tokens, verifications = _greedy_walk(target, rows, k, lambda ids: _chain(target, drafter, ids, k))
+    for ids, n_prompt in rows:
+        chain = _chain(target, drafter, ids, k)
+        n, end = n_prompt, len(ids)
+        while n <= end - 2:
+            accepted: list[int] = []
+            for j in range(min(k, end - 1 - n)):
+                want = int(_logits(target, ids[: n + 1].tolist() + accepted)[-1].argmax())
+                if int(chain[n - 1, j]) != want:
+                    break
+                accepted.append(want)
+            tokens += len(accepted) + 1
+            verifications += 1
+            n += len(accepted) + 1
     r = _record(store, suite="words", thinking="on", k=k, temperature=0.0)
     assert r["rows"] == len(rows) > 0 and r["verifications"] == verifications
     assert r["tau"] == round(tokens / verifications, 6)
@@ -315,56 +295,3 @@ def test_a_suite_whose_qc_failed_is_marked_in_the_report_the_gates_and_the_cli(e
                         "on the replies QC kept")
     assert lines[0].startswith(f"suite seen: QC {seen['verdict']}")
     assert lines[2] == "held-out rows from: B4_mixturethoughts QC passed, B5_openthoughts QC passed"
-
-
-def test_compared_drafters_are_trained_from_the_same_rows_and_measured_on_the_same_rows(compared, evaluated,
-                                                                                       demo_target):
-    """training.compare: the DSpark draft is trained from the same mix beside the EAGLE-3 drafter, its export passes
-    its family's contract, the drafter's figures are the evaluation asset's to the digit, and the DSpark draft's
-    greedy tau is a walk of our own: its block drafted from every exact prefix, a target forward per draft."""
-    from transformers import AutoModelForCausalLM
-
-    from eagle_assets.drafter.dspark.family import FAMILY as DSPARK
-    from eagle_assets.drafter.features.local_capture import run_target
-
-    result, store = compared
-    doc = json.loads((store / "drafter_comparison" / "report.json").read_text())
-    drafter, spark = doc["drafters"]
-    assert (drafter["label"], spark["label"]) == ("drafter", "spark")
-    assert (drafter["sglang_class"], spark["sglang_class"]) == ("LlamaForCausalLMEagle3", "DSparkDraftModel")
-    assert drafter["records"] == json.loads((store / "evaluation" / "report.json").read_text())["records"]
-    check = _checks(result)["compared_exports"]
-    assert check.passed, check.description
-    ckpt = store / "drafter_comparison" / "spark" / "checkpoint"
-    assert spark["parameters"] == DSPARK.validate(ckpt).parameters > 0 and spark["train_seconds"] > 0
-    metrics = json.loads((store / "drafter_comparison" / "spark" / "training_metrics.json").read_text())
-    trained_on = json.loads((store / "drafter_checkpoint" / "training_metrics.json").read_text())
-    assert metrics["rows_used"] == trained_on["rows_used"] and metrics["tokens_per_epoch"] == \
-        trained_on["tokens_per_epoch"]  # the same rows
-
-    target = AutoModelForCausalLM.from_pretrained(demo_target, dtype="float32").eval()
-    model, _ = DSPARK.load(ckpt, target)
-    # k = 1: one target forward per row gives every point's verdict (the walk past the first draft is the shared
-    # code test_greedy_tau_is_an_exact_walk_over_the_stored_rows checks at k = 3)
-    k, tokens, verifications = 1, 0, 0
-    for ids, n_prompt in _suite_rows(store, "words", "on"):
-        with torch.no_grad():
-            x = torch.from_numpy(ids)
-            aux, _ = run_target(target, x, model.config.aux_capture_ids)
-            first = model.draft_chain(aux, x, k)[:, 0]  # slot 0 of the block anchored at ids[n]: token n + 1
-        argmax = _logits(target, ids.tolist()).argmax(-1)
-        n, end = n_prompt, len(ids)
-        while n <= end - 2:
-            accepted = int(first[n - 1] == argmax[n])
-            tokens, verifications, n = tokens + accepted + 1, verifications + 1, n + accepted + 1
-    record = [r for r in spark["records"] if (r["suite"], r["thinking"], r["k"], r["temperature"]) ==
-              ("words", "on", k, 0.0)]
-    assert len(record) == 1 and record[0]["tau"] == round(tokens / verifications, 6)
-    # the report: both drafters, the best of each column in bold, and which one the measurements support
-    md = (store / "drafter_comparison" / "report.md").read_text()
-    assert "| drafter | llama (1 layer) | LlamaForCausalLMEagle3 |" in md and "| spark | dspark: " in md and "**" in md
-    held = {d["label"]: [r["tau"] for r in d["records"] if (r["suite"], r["k"], r["temperature"]) ==
-                         ("heldout", 7, 0.0)][0] for d in (drafter, spark)}
-    assert doc["supported"] in held and "mean greedy tau" in doc["reason"]
-    assert result.asset_materializations_for_node("drafter_comparison")[0].metadata["supported"].value == \
-        doc["supported"]

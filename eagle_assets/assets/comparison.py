@@ -4,11 +4,14 @@ measured side by side on the same held-out rows and suites (``drafter.evaluation
 and under ``<storage root>/<catalog>/drafter_comparison/``."""
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 import dagster as dg
 
 from eagle_assets.assets.inputs import AFTER_OBSERVATIONS
 from eagle_assets.assets.locking import stage_writer
+from eagle_assets.assets.provenance import write_provenance
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.training import torch_threads, train_step, training_inputs
 from eagle_assets.catalog import Catalog
@@ -43,12 +46,12 @@ def _measured(label, checkpoint, train_seconds, target_model, catalog, layout, i
                            str(checkpoint), report), problem
 
 
-def drafter_comparison(context: dg.AssetExecutionContext, settings: dg.ResourceParam[PipelineSettings],
-                       target: dg.ResourceParam[TargetModel]):
-    """Every drafter of the catalog side by side: ``training.drafter`` (the ``drafter_checkpoint`` export) and each
-    ``training.compare`` entry, trained here from the same rows, mix, draft vocab and recipe; tau per suite x thinking
-    mode x temperature at ``training.acceptance_k``, parameters and training seconds, and the drafter the
-    measurements support."""
+def compare_drafters(context: dg.AssetExecutionContext, settings: PipelineSettings, target: TargetModel,
+                     full_asset_graph: Callable[[], Any] | None = None):
+    """The body of ``drafter_comparison`` (:func:`build_comparison_assets`): ``training.drafter`` (the
+    ``drafter_checkpoint`` export) and each ``training.compare`` entry, trained here from the same rows, mix, draft
+    vocab and recipe (each checkpoint with its provenance), all measured on the same rows and reported side by
+    side."""
     from transformers import AutoModelForCausalLM
 
     from eagle_assets.drafter.evaluation.comparison import supported, write_comparison
@@ -79,6 +82,7 @@ def drafter_comparison(context: dg.AssetExecutionContext, settings: dg.ResourceP
             features = resolve_features(spec.features, model_dir, folder / "features", spec.aux_layer_ids,
                                         spec.max_length, _local_only)
             result = train_step(context, spec, model_dir, folder, features, inputs)
+            write_provenance(context, settings, result.checkpoint_dir, fallback_graph=full_asset_graph)
             write_json_atomic(result.to_dict(), folder / "training_metrics.json")
             measured.append(_measured(label, result.checkpoint_dir, round(result.train_seconds, 1), target_model,
                                       catalog, layout, inputs, context.log.info))
@@ -102,10 +106,21 @@ def drafter_comparison(context: dg.AssetExecutionContext, settings: dg.ResourceP
         metadata={"checked": dg.MetadataValue.json({d.label: d.sglang_class for d in drafters})})
 
 
-def build_comparison_assets(catalog: Catalog) -> list:
-    """The ``drafter_comparison`` asset when ``catalog.training.compare`` names a drafter (else nothing)."""
+def build_comparison_assets(catalog: Catalog, full_asset_graph: Callable[[], Any] | None = None) -> list:
+    """The ``drafter_comparison`` asset when ``catalog.training.compare`` names a drafter (else nothing).
+
+    ``full_asset_graph``: the whole asset graph, for each compared checkpoint's provenance in runs that have no
+    repository (as ``build_training_assets``)."""
     if not catalog.training.compare:
         return []
+
+    def drafter_comparison(context: dg.AssetExecutionContext, settings: dg.ResourceParam[PipelineSettings],
+                           target: dg.ResourceParam[TargetModel]):
+        """Every drafter of the catalog side by side: ``training.drafter`` and each ``training.compare`` entry,
+        trained from the same rows and recipe; tau per suite x thinking mode x temperature at
+        ``training.acceptance_k``, parameters and training seconds, and the drafter the measurements support."""
+        yield from compare_drafters(context, settings, target, full_asset_graph)
+
     check = dg.AssetCheckSpec("compared_exports", asset="drafter_comparison",
                               description="every compared drafter's export passes its family's SGLang contract "
                                           "(tensor names, shapes, config fields)")
