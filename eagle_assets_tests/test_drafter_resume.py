@@ -276,3 +276,32 @@ def test_a_run_with_validation_and_early_stopping_resumes_to_the_same_curve_and_
         train_drafter(target_dir, rows, vocab, config, tmp_path / "ckpt", log=crash_at(2, lines), state_dir=state,
                       validation_rows=random_rows(3, seed=12))
     assert any("not resumed" in line and "validation rows" in line for line in lines)
+
+
+def test_a_killed_block_drafter_run_resumes_to_the_unbroken_weights_with_its_anchor_draws(target_dir, rows, vocab,
+                                                                                          tmp_path, monkeypatch):
+    """A DFlash run whose rows hold more anchors than the cap (lowered to 5: each step draws its blocks from torch's
+    global generator), killed at step 7 and resumed from the state of step 6, ends bit for bit as an unbroken run:
+    the state carries the generator, so the resumed steps draw the blocks the unbroken run drew."""
+    from eagle_assets.drafter.dflash import family as dflash_family
+    from eagle_assets.drafter.family import DraftArchitecture
+
+    monkeypatch.setattr(dflash_family, "NUM_ANCHORS", 5)  # 20 completion tokens per row: every step draws
+    config = replace(CONFIG, drafter=DraftArchitecture("dflash", block_size=4))
+    unbroken = train_drafter(target_dir, rows, vocab, config, tmp_path / "unbroken")
+    state, lines = tmp_path / "state", []
+    with pytest.raises(Crash):
+        train_drafter(target_dir, rows, vocab, config, tmp_path / "ckpt", log=crash_at(7, lines), state_dir=state)
+    assert committed_step(state) == 6
+    lines = []
+    resumed = train_drafter(target_dir, rows, vocab, config, tmp_path / "ckpt", log=lines.append, state_dir=state)
+    assert resumed.resumed_from_step == 6 and step_lines(lines) == [7, 8]
+    assert_same_run(resumed, unbroken)
+    # a run draws from its own seeded stream (the caller's generator changes nothing), and the draws matter: with
+    # every anchor trained the steps differ
+    torch.manual_seed(123)
+    again = train_drafter(target_dir, rows, vocab, config, tmp_path / "again")
+    assert [s.loss for s in again.steps] == [s.loss for s in unbroken.steps]
+    monkeypatch.setattr(dflash_family, "NUM_ANCHORS", 512)
+    every = train_drafter(target_dir, rows, vocab, config, tmp_path / "every")
+    assert [s.loss for s in every.steps] != [s.loss for s in unbroken.steps]
