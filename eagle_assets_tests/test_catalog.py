@@ -289,7 +289,9 @@ def test_training_compare_trains_each_entry_with_the_training_section_and_refuse
                                                                        "EAGLE-3 settings"),
                           ("x: {architecture: llama, aux_layer_ids: [1, 2]}", "training.compare.x does not train.*"
                                                                               "three non-negative"),
-                          ("../x: {architecture: llama}", "names a folder")):
+                          ("../x: {architecture: llama}", "names a folder"),
+                          ("drafter: {architecture: llama}", "'drafter' is taken"),
+                          ("report.md: {architecture: llama}", "'report.md' is taken")):
         err = _error(tmp_path, MINIMAL + f"training:\n  compare:\n    {entry}\n")
         assert re.search(needle, str(err)), str(err)
     err = _error(tmp_path, MINIMAL + "evaluation: null\ntraining:\n  compare: {x: {architecture: dspark}}\n")

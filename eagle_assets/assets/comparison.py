@@ -15,11 +15,9 @@ from eagle_assets.assets.provenance import write_provenance
 from eagle_assets.assets.resources import PipelineSettings, TargetModel
 from eagle_assets.assets.training import torch_threads, train_step, training_inputs
 from eagle_assets.catalog import Catalog
+from eagle_assets.catalog.training import DRAFTER_LABEL
 from eagle_assets.storage.guard import refuse_symlink
 from eagle_assets.storage.shards import write_json_atomic
-
-#: the label of ``training.drafter`` in the comparison (the ``training.compare`` keys label the others)
-DRAFTER_LABEL = "drafter"
 
 
 def _local_only(_capture):

@@ -168,6 +168,12 @@ class DrafterSpec(StrictModel):
         return self
 
 
+#: ``training.drafter``'s label in the comparison (the ``training.compare`` keys label the others)
+DRAFTER_LABEL = "drafter"
+#: labels ``training.compare`` cannot use: ``training.drafter``'s, and the comparison report's files
+COMPARE_RESERVED = (DRAFTER_LABEL, "report.json", "report.md", "tau.png")
+
+
 class ComparedDrafter(DrafterSpec):
     """One entry of ``training.compare``: a drafter trained beside ``training.drafter`` from the same rows, mix,
     draft vocab, features and recipe (the ``drafter_comparison`` asset), with the fields of ``training.drafter``
@@ -257,9 +263,12 @@ class TrainingSpec(StrictModel):
     @model_validator(mode="after")
     def _compared_drafters_train(self) -> TrainingSpec:
         for label in self.compare:
-            if not label.replace("_", "").replace("-", "").replace(".", "").isalnum():
+            if not label.replace("_", "").replace("-", "").replace(".", "").isalnum() or label.startswith("."):
                 raise ValueError(f"training.compare label {label!r} names a folder: use letters, digits, '-', '_' "
-                                 "and '.' only")
+                                 "and '.' (not first) only")
+            if label in COMPARE_RESERVED:
+                raise ValueError(f"training.compare label {label!r} is taken (training.drafter's label in the "
+                                 "report, or a file of it): choose another")
             if self.compare[label].architecture == "auto":
                 raise ValueError(f"training.compare.{label}: architecture auto is what training.drafter resolves; "
                                  "name the architecture this entry measures (llama, mla, dflash or dspark)")
