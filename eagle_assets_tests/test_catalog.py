@@ -291,7 +291,9 @@ def test_training_compare_trains_each_entry_with_the_training_section_and_refuse
                                                                               "three non-negative"),
                           ("../x: {architecture: llama}", "names a folder"),
                           ("drafter: {architecture: llama}", "'drafter' is taken"),
-                          ("report.md: {architecture: llama}", "'report.md' is taken")):
+                          ("report.md: {architecture: llama}", "'report.md' is taken"),
+                          ("x: {architecture: llama, lr: 0.001}",
+                           "training.compare.x.lr: is a training setting, not a field of a training.compare entry")):
         err = _error(tmp_path, MINIMAL + f"training:\n  compare:\n    {entry}\n")
         assert re.search(needle, str(err)), str(err)
     err = _error(tmp_path, MINIMAL + "evaluation: null\ntraining:\n  compare: {x: {architecture: dspark}}\n")

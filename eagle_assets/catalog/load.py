@@ -275,8 +275,16 @@ def _catalog_error(file: Path, err: ValidationError) -> CatalogError:
     fix = _FIXES.get(last, "")
     if kind == "extra_forbidden":
         close = difflib.get_close_matches(last, sorted(_all_field_names()), n=1)
-        fix = ((f"did you mean {close[0]!r}? " if close else "")
-               + "remove it or fix its spelling; see catalogs/default.yaml for the accepted fields")
+        if "compare" in loc[:2] and close == [last]:
+            problem = "is a training setting, not a field of a training.compare entry"
+            fix = ("an entry takes training.drafter's fields and aux_layer_ids; every other setting is the same for "
+                   "all drafters (the recipe the comparison holds fixed): set it under training, or remove it")
+        elif close == [last]:
+            problem = "is a field of another section, not of this one"
+            fix = "move it to its section or remove it; see catalogs/default.yaml for where each field goes"
+        else:
+            fix = ((f"did you mean {close[0]!r}? " if close else "")
+                   + "remove it or fix its spelling; see catalogs/default.yaml for the accepted fields")
     more = len(errors) - 1
     if more:
         fix = (fix + "; " if fix else "") + f"{more} more problem(s) after this one"

@@ -72,9 +72,11 @@ def supported(drafters: list[ComparedDrafter], k: int) -> tuple[str | None, str]
            f"({second_tau:.3f})")
     by_label = {d.label: d.tau(k) for d in drafters}
     held = [(by_label[best][c], by_label[second][c]) for c in greedy if c[0] == HELDOUT]
-    if held and all(None not in (a["ci_low"], b["ci_low"]) and a["ci_low"] <= b["ci_high"]
-                    and b["ci_low"] <= a["ci_high"] for a, b in held):
+    held = [(a, b) for a, b in held if None not in (a["ci_low"], b["ci_low"])]
+    if held and all(a["ci_low"] <= b["ci_high"] and b["ci_low"] <= a["ci_high"] for a, b in held):
         why += "; their held-out 95% intervals overlap, so the lead is not a measured difference on these rows"
+    elif held:
+        why += "; their held-out 95% intervals do not overlap"
     return best, why
 
 
