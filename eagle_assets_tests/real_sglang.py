@@ -77,3 +77,14 @@ def sglang_env() -> dict[str, str]:
     """The environment a real SGLang server runs under here: the CPU engine and the ``sgl_kernel`` stand-in."""
     path = os.pathsep.join(p for p in (str(STUB_DIR), os.environ.get("PYTHONPATH", "")) if p)
     return {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}
+
+
+def run_sglang_driver(sglang_python: Path, script: str, cases: list[dict], folder: Path) -> dict:
+    """Run the driver ``sglang_cpu/<script>`` in the SGLang CPU venv on ``cases`` (written to
+    ``folder/cases.json``); its report (``folder/out.json``). Asserts it exited 0, with its stderr's tail."""
+    (folder / "cases.json").write_text(json.dumps({"cases": cases}))
+    proc = subprocess.run([str(sglang_python), str(STUB_DIR / script), str(folder / "cases.json"),
+                           str(folder / "out.json")], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **sglang_env()})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((folder / "out.json").read_text())

@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -35,7 +33,7 @@ from eagle_assets.drafter.dflash.model import (
     config_from_target,
 )
 from eagle_assets.drafter.family import family_for, family_of_checkpoint
-from eagle_assets_tests.real_sglang import STUB_DIR, sglang_env
+from eagle_assets_tests.real_sglang import run_sglang_driver
 
 V, H, LAYERS, BLOCK = 96, 32, 6, 5
 TARGET = {"hidden_size": H, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -166,12 +164,7 @@ def sglang_blocks(sglang_python, tmp_path_factory):
                               torch.ones(1, len(positions), dtype=torch.bool))[0]
         ours[name] = {"blocks": [chain[p].tolist() for p in positions],
                       "logits": model.logits(hidden[:, 1:]).detach().numpy()}
-    (tmp / "cases.json").write_text(json.dumps({"cases": cases}))
-    proc = subprocess.run([str(sglang_python), str(STUB_DIR / "dflash_blocks.py"), str(tmp / "cases.json"),
-                           str(tmp / "out.json")], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **sglang_env()})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((tmp / "out.json").read_text()), ours
+    return run_sglang_driver(sglang_python, "dflash_blocks.py", cases, tmp), ours
 
 
 @pytest.mark.parametrize("case", ["one_layer", "three_layers_three_ids"])

@@ -14,8 +14,6 @@ layout (slot ``k`` proposes the token at ``anchor + k + 1``, the anchor's row in
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -26,7 +24,7 @@ from eagle_assets.drafter.dflash.model import anchors_of, config_from_target
 from eagle_assets.drafter.dspark.family import FAMILY as DSPARK
 from eagle_assets.drafter.dspark.model import DSparkConfig, DSparkDraftModel, dspark_loss
 from eagle_assets.drafter.family import family_for, family_of_checkpoint
-from eagle_assets_tests.real_sglang import STUB_DIR, sglang_env
+from eagle_assets_tests.real_sglang import run_sglang_driver
 from eagle_assets_tests.test_drafter_dflash import TARGET, H, V, _qc_rows, assert_chunks_match, masked_batch
 
 GAMMA = 4
@@ -145,12 +143,7 @@ def sglang_blocks(sglang_python, tmp_path_factory):
             ours[name] = {"blocks": [chain[p].tolist() for p in positions],
                           "logits": model.step_logits(hidden, prev).numpy(),
                           "confidences": torch.sigmoid(model.confidence_logit(hidden, prev)).numpy()}
-    (tmp / "cases.json").write_text(json.dumps({"cases": cases}))
-    proc = subprocess.run([str(sglang_python), str(STUB_DIR / "dflash_blocks.py"), str(tmp / "cases.json"),
-                           str(tmp / "out.json")], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **sglang_env()})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((tmp / "out.json").read_text()), ours
+    return run_sglang_driver(sglang_python, "dflash_blocks.py", cases, tmp), ours
 
 
 @pytest.mark.parametrize("case", ["one_layer", "two_layers"])

@@ -18,8 +18,6 @@ the token after it (a third of them at a wrong one), so that acceptance is neith
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from dataclasses import asdict
 
 import numpy as np
@@ -29,7 +27,7 @@ import torch
 from eagle_assets.drafter.data.vocab import draft_vocab_from_arrays
 from eagle_assets.drafter.evaluation.sampled import chain_probabilities, sampled_acceptance
 from eagle_assets.serving.engine import sampling_probs
-from eagle_assets_tests.real_sglang import STUB_DIR, sglang_env
+from eagle_assets_tests.real_sglang import run_sglang_driver
 
 GAMMA, K, PROMPT, NEW = 4, 4, 6, 14
 RANK = PROMPT + NEW  # the Markov head's rank: one dimension per distinct token of the row
@@ -226,12 +224,7 @@ def sglang_sampled(setup, sglang_python, tmp_path_factory):
             "sampled": {"position": p, "temperature": T_SGLANG, "draws": DRAWS, "top_ks": [1, 2, 1 << 30]},
             "verify": {"inputs": str(tmp / "verify.npz"), "temperature": T_SGLANG, "top_k": top_k, "top_p": top_p,
                        "seed": 0}}
-    (tmp / "cases.json").write_text(json.dumps({"cases": [case]}))
-    proc = subprocess.run([str(sglang_python), str(STUB_DIR / "dflash_blocks.py"), str(tmp / "cases.json"),
-                           str(tmp / "out.json")], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **sglang_env()})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads((tmp / "out.json").read_text())["sampled"]
+    out = run_sglang_driver(sglang_python, "dflash_blocks.py", [case], tmp)["sampled"]
     p_target = sampling_probs(target_logits[:, :GAMMA], T_SGLANG, top_p, top_k).gather(2, drafts[:, :, None])[..., 0]
     ours = {"p": p_target.numpy(), "q": q[p], "hidden": hidden, "anchor": ids[n]}
     return out, ours, model

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -31,7 +29,7 @@ from eagle_assets.drafter.data.vocab import build_draft_vocab
 from eagle_assets.drafter.eagle3.export import export_checkpoint, serve_flags
 from eagle_assets.drafter.eagle3.model import DraftArchitecture, DrafterConfig, Eagle3DraftModel, RMSNorm
 from eagle_assets.drafter.features.local_capture import run_target
-from eagle_assets_tests.real_sglang import STUB_DIR, sglang_env
+from eagle_assets_tests.real_sglang import run_sglang_driver
 
 pytestmark = pytest.mark.slow(seconds=40)
 
@@ -95,12 +93,7 @@ def sglang_chains(sglang_python, row, tmp_path_factory):
         drafters[name] = drafter
         cases.append({"name": name, "checkpoint": str(tmp / name), "inputs": str(inputs), "positions": positions,
                       "k": K, "window": config.window})
-    (tmp / "cases.json").write_text(json.dumps({"cases": cases}))
-    proc = subprocess.run([str(sglang_python), str(STUB_DIR / "draft_chains.py"), str(tmp / "cases.json"),
-                           str(tmp / "out.json")], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **sglang_env()})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads((tmp / "out.json").read_text())
+    report = run_sglang_driver(sglang_python, "draft_chains.py", cases, tmp)
     return {name: (drafters[name], report[name], positions) for name in CASES}
 
 
