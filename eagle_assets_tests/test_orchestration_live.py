@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -284,6 +285,25 @@ ASSETS = ["raw_prompts", "tokenized_prompts", "generations", "qc_shards", "lengt
           "training_mix", "drafter_checkpoint"]
 
 
+@contextmanager
+def dagster_ui_page(width: int, height: int):
+    """A page of Debian's Chromium (headless, through playwright) at ``width`` x ``height``, the Dagster UI's
+    first-visit newsletter dialog marked as seen, 60 s for every wait; the browser is closed on exit."""
+    from playwright import sync_api
+
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
+        try:
+            ctx = browser.new_context(viewport={"width": width, "height": height})
+            ctx.add_init_script("window.localStorage.setItem('communityNux', JSON.stringify('1'))")
+            page = ctx.new_page()
+            page.set_default_timeout(60_000)
+            sync_api.expect.set_options(timeout=60_000)
+            yield page
+        finally:
+            browser.close()
+
+
 def _wait_http(url: str, timeout: float = 120) -> None:
     import urllib.request
 
@@ -311,65 +331,54 @@ def test_ui_in_chromium_shows_graph_and_partition_checks_and_launches_a_backfill
     base = f"http://127.0.0.1:{dep.port}"
     _wait_http(base + "/server_info")
     b1 = next(r for r in backfilled if r.tags["dagster/partition"] == "B1_glaive")
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
-        try:
-            ctx = browser.new_context(viewport={"width": 1400, "height": 1100})
-            # The first visit shows a newsletter dialog over the page; mark it as seen.
-            ctx.add_init_script("window.localStorage.setItem('communityNux', JSON.stringify('1'))")
-            page = ctx.new_page()
-            page.set_default_timeout(60_000)
-            expect.set_options(timeout=60_000)
+    with dagster_ui_page(1400, 1100) as page:
+        # The asset graph: every asset of both jobs, grouped prompts -> generation -> quality -> drafter.
+        page.goto(base + "/assets/qc_shards?view=lineage&lineageScope=neighbors&lineageDepth=10")
+        for name in ASSETS:
+            expect(page.get_by_text(name, exact=True).first).to_be_visible()
+        page.wait_for_timeout(3000)  # materialization colors arrive with the next live-data poll
+        page.screenshot(path=str(shots / "asset_graph.png"))
 
-            # The asset graph: every asset of both jobs, grouped prompts -> generation -> quality -> drafter.
-            page.goto(base + "/assets/qc_shards?view=lineage&lineageScope=neighbors&lineageDepth=10")
-            for name in ASSETS:
-                expect(page.get_by_text(name, exact=True).first).to_be_visible()
-            page.wait_for_timeout(3000)  # materialization colors arrive with the next live-data poll
-            page.screenshot(path=str(shots / "asset_graph.png"))
+        # One partition's check results: the B1_glaive run, filtered to the qc_shards step.
+        page.goto(base + f"/runs/{b1.run_id}?selection=qc_shards&logs=step%3Aqc_shards")
+        body = page.locator("body")
+        expect(body).to_contain_text("partition: B1_glaive")
+        expect(body).to_contain_text("Check token_structure succeeded for materialization of qc_shards")
+        expect(body).to_contain_text("Check response_length succeeded for materialization of qc_shards")
+        page.screenshot(path=str(shots / "partition_checks.png"))
 
-            # One partition's check results: the B1_glaive run, filtered to the qc_shards step.
-            page.goto(base + f"/runs/{b1.run_id}?selection=qc_shards&logs=step%3Aqc_shards")
-            body = page.locator("body")
-            expect(body).to_contain_text("partition: B1_glaive")
-            expect(body).to_contain_text("Check token_structure succeeded for materialization of qc_shards")
-            expect(body).to_contain_text("Check response_length succeeded for materialization of qc_shards")
-            page.screenshot(path=str(shots / "partition_checks.png"))
+        # A check that warns is a warning of its partition, not a green "Passed"
+        b2 = next(r for r in backfilled if r.tags["dagster/partition"] == "B2_code")
+        page.goto(base + f"/runs/{b2.run_id}?selection=qc_shards&logs=step%3Aqc_shards")
+        body = page.locator("body")
+        expect(body).to_contain_text("partition: B2_code")
+        expect(body).to_contain_text("Check response_length failed for materialization of qc_shards")
+        expect(body).to_contain_text(re.compile(r"level\s*WARN"))  # the check's own level, in its metadata
+        page.screenshot(path=str(shots / "partition_check_warn.png"))
+        # the asset's Checks tab: the latest response_length result is B2_code's, a failure with a warning
+        # icon, its WARN finding as the description, the partition named
+        page.goto(base + "/assets/qc_shards?view=checks&checkDetail=response_length")
+        body = page.locator("body")
+        expect(body).to_contain_text("WARN: share_under_short = 1 > threshold 0")
+        expect(body).to_contain_text(re.compile(r"Evaluation result.*Failed.*Partition\s*B2_code", re.DOTALL))
+        # and the partition's verdict in words (qc.status: it warned, it trains)
+        expect(body).to_contain_text(re.compile(r"warned \(response_length: share_under_short = 1 > threshold "
+                                                r"0\); kept \d of 4 replies, \d dropped"))
+        page.wait_for_timeout(1000)
+        page.screenshot(path=str(shots / "check_warn.png"))
 
-            # A check that warns is a warning of its partition, not a green "Passed"
-            b2 = next(r for r in backfilled if r.tags["dagster/partition"] == "B2_code")
-            page.goto(base + f"/runs/{b2.run_id}?selection=qc_shards&logs=step%3Aqc_shards")
-            body = page.locator("body")
-            expect(body).to_contain_text("partition: B2_code")
-            expect(body).to_contain_text("Check response_length failed for materialization of qc_shards")
-            expect(body).to_contain_text(re.compile(r"level\s*WARN"))  # the check's own level, in its metadata
-            page.screenshot(path=str(shots / "partition_check_warn.png"))
-            # the asset's Checks tab: the latest response_length result is B2_code's, a failure with a warning
-            # icon, its WARN finding as the description, the partition named
-            page.goto(base + "/assets/qc_shards?view=checks&checkDetail=response_length")
-            body = page.locator("body")
-            expect(body).to_contain_text("WARN: share_under_short = 1 > threshold 0")
-            expect(body).to_contain_text(re.compile(r"Evaluation result.*Failed.*Partition\s*B2_code", re.DOTALL))
-            # and the partition's verdict in words (qc.status: it warned, it trains)
-            expect(body).to_contain_text(re.compile(r"warned \(response_length: share_under_short = 1 > threshold "
-                                                    r"0\); kept \d of 4 replies, \d dropped"))
-            page.wait_for_timeout(1000)
-            page.screenshot(path=str(shots / "check_warn.png"))
-
-            # A backfill of all partitions from the UI, one run per partition (the asset's BackfillPolicy).
-            page.goto(base + "/assets/raw_prompts")
-            page.get_by_role("button", name="Materialize…").click()
-            dialog = page.get_by_role("dialog")
-            dialog.get_by_role("button", name="All", exact=True).click()
-            expect(dialog).to_contain_text("2 partitions")
-            expect(dialog).to_contain_text("Backfills in multiple runs, with a maximum of 1 partitions per run")
-            page.screenshot(path=str(shots / "ui_backfill_dialog.png"))
-            dialog.get_by_role("button", name="Launch backfill").click()
-            created = page.get_by_text(re.compile(r"Created backfill \w+"))
-            expect(created).to_be_visible()
-            backfill_id = re.search(r"Created backfill (\w+)", created.inner_text()).group(1)
-        finally:
-            browser.close()
+        # A backfill of all partitions from the UI, one run per partition (the asset's BackfillPolicy).
+        page.goto(base + "/assets/raw_prompts")
+        page.get_by_role("button", name="Materialize…").click()
+        dialog = page.get_by_role("dialog")
+        dialog.get_by_role("button", name="All", exact=True).click()
+        expect(dialog).to_contain_text("2 partitions")
+        expect(dialog).to_contain_text("Backfills in multiple runs, with a maximum of 1 partitions per run")
+        page.screenshot(path=str(shots / "ui_backfill_dialog.png"))
+        dialog.get_by_role("button", name="Launch backfill").click()
+        created = page.get_by_text(re.compile(r"Created backfill \w+"))
+        expect(created).to_be_visible()
+        backfill_id = re.search(r"Created backfill (\w+)", created.inner_text()).group(1)
     if os.environ.get(SCREENSHOT_DIR_ENV):
         shutil.copytree(shots, os.environ[SCREENSHOT_DIR_ENV], dirs_exist_ok=True)
 
@@ -503,27 +512,18 @@ def test_chat_template_edit_is_observed_and_shown_unsynced_in_chromium(deploymen
     shots.mkdir(exist_ok=True)
     base = f"http://127.0.0.1:{dep.port}"
     _wait_http(base + "/server_info")
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
-        try:
-            ctx = browser.new_context(viewport={"width": 1400, "height": 1100})
-            ctx.add_init_script("window.localStorage.setItem('communityNux', JSON.stringify('1'))")
-            page = ctx.new_page()
-            page.set_default_timeout(60_000)
-            sync_api.expect.set_options(timeout=60_000)
-            # Dagster shows staleness of a partitioned asset per partition: the partition's detail panel.
-            page.goto(base + "/assets/tokenized_prompts?view=partitions&partition=B1_glaive")
-            sync_api.expect(page.locator("body")).to_contain_text("B1_glaive")
-            tag = page.get_by_text(re.compile(r"Unsynced \(1\)")).first
-            sync_api.expect(tag).to_be_visible()
-            tag.hover()  # the tag's popover names the cause
-            sync_api.expect(page.get_by_text("1 upstream data version change")).to_be_visible()
-            sync_api.expect(page.locator("body")).to_contain_text(
-                re.compile(r"1 upstream data version change\s*target_tokenizer\s*has a new data version"))
-            page.wait_for_timeout(500)
-            page.screenshot(path=str(shots / "ui_unsynced.png"))
-        finally:
-            browser.close()
+    with dagster_ui_page(1400, 1100) as page:
+        # Dagster shows staleness of a partitioned asset per partition: the partition's detail panel.
+        page.goto(base + "/assets/tokenized_prompts?view=partitions&partition=B1_glaive")
+        sync_api.expect(page.locator("body")).to_contain_text("B1_glaive")
+        tag = page.get_by_text(re.compile(r"Unsynced \(1\)")).first
+        sync_api.expect(tag).to_be_visible()
+        tag.hover()  # the tag's popover names the cause
+        sync_api.expect(page.get_by_text("1 upstream data version change")).to_be_visible()
+        sync_api.expect(page.locator("body")).to_contain_text(
+            re.compile(r"1 upstream data version change\s*target_tokenizer\s*has a new data version"))
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(shots / "ui_unsynced.png"))
     if os.environ.get(SCREENSHOT_DIR_ENV):
         shutil.copytree(shots, os.environ[SCREENSHOT_DIR_ENV], dirs_exist_ok=True)
 

@@ -28,13 +28,13 @@ from dagster._core.instance.ref import InstanceRef
 from eagle_assets_tests.test_orchestration_live import (
     BIN,
     CHROMIUM,
-    CHROMIUM_FLAGS,
     REPO_ROOT,
     SCREENSHOT_DIR_ENV,
     Proc,
     _free_port,
     _start,
     _wait_http,
+    dagster_ui_page,
 )
 
 pytestmark = [pytest.mark.slow(seconds=90), pytest.mark.timeout(600)]
@@ -125,64 +125,54 @@ def test_the_ui_shows_each_partitions_verdict(shown):
     failed = "failed (token_structure: share_dropped = 1 > threshold 0.2; response_length: share_truncated = 1 > " \
              "threshold 0.1); kept 0 of 3 replies, 3 dropped"
     warned = "warned (response_length: share_under_short = 1 > threshold 0); kept 3 of 3 replies, 0 dropped"
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
-        try:
-            ctx = browser.new_context(viewport={"width": 1500, "height": 1200})
-            ctx.add_init_script("window.localStorage.setItem('communityNux', JSON.stringify('1'))")
-            page = ctx.new_page()
-            page.set_default_timeout(60_000)
-            expect.set_options(timeout=60_000)
+    with dagster_ui_page(1500, 1200) as page:
+        # qc_shards > Partitions, the failing partition open: Dagster's tag is "Materialized" (its files are on
+        # disk), the verdict entry says failed and why, the table gives every partition its word
+        page.goto(shown.base + f"/assets/qc_shards?view=partitions&partition={FAILS}")
+        body = page.locator("body")
+        expect(body).to_contain_text("3 Partitions Selected")
+        # Dagster's own status: all three materialized (their files are on disk), none "Failed"
+        expect(body).to_contain_text("Materialized (3)")
+        expect(body).to_contain_text("Failed (0)")
+        expect(body).to_contain_text(failed)
+        # the table's rows by their cells: partition, verdict, blocking check, finding, kept, dropped, rows
+        for cells in (f"{PASSES} passed 3 0 3", f"{WARNS} warned response_length: share_under_short = 1 > "
+                      "threshold 0 3 0 3", f"{FAILS} failed token_structure token_structure: share_dropped = 1 "
+                      "> threshold 0.2; response_length: share_truncated = 1 > threshold 0.1 0 3 3"):
+            expect(page.get_by_role("row", name=cells, exact=True)).to_be_visible()
+        page.get_by_role("row", name=f"{PASSES} passed 3 0 3", exact=True).scroll_into_view_if_needed()
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(shots / "qc_partitions_verdicts.png"))
 
-            # qc_shards > Partitions, the failing partition open: Dagster's tag is "Materialized" (its files are on
-            # disk), the verdict entry says failed and why, the table gives every partition its word
-            page.goto(shown.base + f"/assets/qc_shards?view=partitions&partition={FAILS}")
-            body = page.locator("body")
-            expect(body).to_contain_text("3 Partitions Selected")
-            # Dagster's own status: all three materialized (their files are on disk), none "Failed"
-            expect(body).to_contain_text("Materialized (3)")
-            expect(body).to_contain_text("Failed (0)")
-            expect(body).to_contain_text(failed)
-            # the table's rows by their cells: partition, verdict, blocking check, finding, kept, dropped, rows
-            for cells in (f"{PASSES} passed 3 0 3", f"{WARNS} warned response_length: share_under_short = 1 > "
-                          "threshold 0 3 0 3", f"{FAILS} failed token_structure token_structure: share_dropped = 1 "
-                          "> threshold 0.2; response_length: share_truncated = 1 > threshold 0.1 0 3 3"):
-                expect(page.get_by_role("row", name=cells, exact=True)).to_be_visible()
-            page.get_by_role("row", name=f"{PASSES} passed 3 0 3", exact=True).scroll_into_view_if_needed()
-            page.wait_for_timeout(500)
-            page.screenshot(path=str(shots / "qc_partitions_verdicts.png"))
+        # the asset's Overview: the newest run's table (chat_cut ran last), every partition's word at a glance
+        page.goto(shown.base + "/assets/qc_shards?view=overview")
+        expect(page.get_by_role("row", name=f"{WARNS} warned response_length: share_under_short = 1 > "
+                                "threshold 0 3 0 3", exact=True)).to_be_visible()
+        expect(page.get_by_role("row", name=f"{PASSES} passed 3 0 3", exact=True)).to_be_visible()
+        expect(page.get_by_role("row", name=re.compile(rf"^{FAILS} failed token_structure "))).to_be_visible()
+        page.get_by_role("row", name=f"{PASSES} passed 3 0 3", exact=True).scroll_into_view_if_needed()
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(shots / "qc_overview_verdicts.png"))
 
-            # the asset's Overview: the newest run's table (chat_cut ran last), every partition's word at a glance
-            page.goto(shown.base + "/assets/qc_shards?view=overview")
-            expect(page.get_by_role("row", name=f"{WARNS} warned response_length: share_under_short = 1 > "
-                                    "threshold 0 3 0 3", exact=True)).to_be_visible()
-            expect(page.get_by_role("row", name=f"{PASSES} passed 3 0 3", exact=True)).to_be_visible()
-            expect(page.get_by_role("row", name=re.compile(rf"^{FAILS} failed token_structure "))).to_be_visible()
-            page.get_by_role("row", name=f"{PASSES} passed 3 0 3", exact=True).scroll_into_view_if_needed()
-            page.wait_for_timeout(500)
-            page.screenshot(path=str(shots / "qc_overview_verdicts.png"))
-
-            # response_length > Partitions: Dagster lists WARN and ERROR alike as failed; the open partition's tag
-            # carries the severity's icon and the check's metadata the partition's verdict
-            page.goto(shown.base + "/assets/qc_shards?view=checks&checkDetail=response_length")
-            # the check's own tabs (below the asset's, which have a Partitions tab too)
-            page.get_by_role("tablist").filter(has_text="Execution history").get_by_role(
-                "tab", name="Partitions").click()
-            for key, tag, icon, verdict in ((PASSES, "Passed", "check_circle", "passed; kept 3 of 3 replies"),
-                                            (FAILS, "Failed", "cancel", failed),
-                                            (WARNS, "Failed", "warning_outline", warned)):
-                page.locator(f'[data-tooltip="{key}"]').last.click()  # the list's row (the first: the filter's tag)
-                # the partition's detail panel: the innermost block holding its history button and its metadata
-                detail = page.locator("div", has=page.get_by_text("View all historical executions")).filter(
-                    has_text="Metadata").last
-                expect(detail).to_contain_text(verdict)
-                expect(detail.get_by_text(tag, exact=True).first).to_be_visible()
-                expect(detail.get_by_role("img", name=icon).first).to_be_visible()
-                if key == FAILS:
-                    page.screenshot(path=str(shots / "check_partitions_failed.png"))
-            page.wait_for_timeout(500)
-            page.screenshot(path=str(shots / "check_partitions_warned.png"))
-        finally:
-            browser.close()
+        # response_length > Partitions: Dagster lists WARN and ERROR alike as failed; the open partition's tag
+        # carries the severity's icon and the check's metadata the partition's verdict
+        page.goto(shown.base + "/assets/qc_shards?view=checks&checkDetail=response_length")
+        # the check's own tabs (below the asset's, which have a Partitions tab too)
+        page.get_by_role("tablist").filter(has_text="Execution history").get_by_role(
+            "tab", name="Partitions").click()
+        for key, tag, icon, verdict in ((PASSES, "Passed", "check_circle", "passed; kept 3 of 3 replies"),
+                                        (FAILS, "Failed", "cancel", failed),
+                                        (WARNS, "Failed", "warning_outline", warned)):
+            page.locator(f'[data-tooltip="{key}"]').last.click()  # the list's row (the first: the filter's tag)
+            # the partition's detail panel: the innermost block holding its history button and its metadata
+            detail = page.locator("div", has=page.get_by_text("View all historical executions")).filter(
+                has_text="Metadata").last
+            expect(detail).to_contain_text(verdict)
+            expect(detail.get_by_text(tag, exact=True).first).to_be_visible()
+            expect(detail.get_by_role("img", name=icon).first).to_be_visible()
+            if key == FAILS:
+                page.screenshot(path=str(shots / "check_partitions_failed.png"))
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(shots / "check_partitions_warned.png"))
     if os.environ.get(SCREENSHOT_DIR_ENV):
         shutil.copytree(shots, os.environ[SCREENSHOT_DIR_ENV], dirs_exist_ok=True)
