@@ -57,7 +57,7 @@ import torch  # noqa: E402
 
 
 def _load(checkpoint):
-    from safetensors.torch import load_file
+    from draft_chains import load_over_nan
     from sglang.srt.models.dflash import DFlashDraftModel
     from sglang.srt.models.dspark import DSparkDraftModel
     from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
@@ -66,11 +66,7 @@ def _load(checkpoint):
     config = AutoConfig.from_pretrained(checkpoint)
     cls = DSparkDraftModel if config.architectures == ["DSparkDraftModel"] else DFlashDraftModel
     model = cls(config).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    weights = load_file(os.path.join(checkpoint, "model.safetensors"))
-    model.load_weights(iter(weights.items()))
+    weights = load_over_nan(model, checkpoint)
     written, untouched = [], []
     for name, p in model.named_parameters():
         (untouched if torch.isnan(p).any() else written).append(name)

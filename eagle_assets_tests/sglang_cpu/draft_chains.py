@@ -60,8 +60,21 @@ def _init(window):
     get_context().override("draft_chains", speculative_draft_window_size=window)
 
 
-def _load(checkpoint):
+def load_over_nan(model, checkpoint):
+    """Fill every parameter of SGLang's ``model`` with NaN, then run its own ``load_weights`` on the checkpoint's
+    ``model.safetensors``: a parameter still NaN afterwards is one the loader never wrote. Returns the tensors read
+    (name -> tensor)."""
     from safetensors.torch import load_file
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    weights = load_file(os.path.join(checkpoint, "model.safetensors"))
+    model.load_weights(iter(weights.items()))
+    return weights
+
+
+def _load(checkpoint):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(checkpoint)
@@ -71,11 +84,7 @@ def _load(checkpoint):
     else:
         from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM as cls
     model = cls(config).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    weights = load_file(os.path.join(checkpoint, "model.safetensors"))
-    model.load_weights(iter(weights.items()))
+    weights = load_over_nan(model, checkpoint)
     written, untouched = [], []
     for name, p in model.named_parameters():
         rows = config.draft_vocab_size if name == "lm_head.weight" else p.shape[0]  # padded vocab rows stay unset
